@@ -1,0 +1,201 @@
+"""The mitmproxy adapter: agent identity, flows in, replies out.
+
+mitmproxy owns the agent's side of the connection (CONNECT, TLS interception, HTTP parsing).
+Every request is answered by the broker through ``flow.response``, so mitmproxy never opens an
+upstream connection of its own (``connection_strategy=lazy`` keeps it from connecting at
+CONNECT time). A hook that raises would make mitmproxy forward the request unrecorded ("fail
+open"), so every hook here catches everything and answers with an envelope instead.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import logging
+import time
+from http import HTTPStatus
+from mitmproxy import http
+from mitmproxy.connection import Client
+
+from .broker import AgentRequest, Broker, Reply
+from .contract import Code, Outcome, Phase, Retry
+from .envelope import MEDIA_TYPE, encode, envelope
+
+log = logging.getLogger("affidavit.addon")
+
+REALM = 'Basic realm="affidavit"'
+
+
+def _reason(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""
+
+
+def _reply_to_response(reply: Reply) -> http.Response:
+    now = time.time()
+    return http.Response(
+        http_version=b"HTTP/1.1",
+        status_code=reply.status,
+        reason=(reply.reason or _reason(reply.status)).encode("latin-1", "replace"),
+        headers=http.Headers([(k.encode("latin-1", "replace"), v.encode("latin-1", "replace")) for k, v in reply.headers]),
+        content=reply.body,
+        trailers=None,
+        timestamp_start=now,
+        timestamp_end=now,
+    )
+
+
+def _refusal(status: int, code: Code, message: str, extra_headers: list[tuple[str, str]] | None = None) -> http.Response:
+    body = envelope(None, code, Phase.VALIDATION, Outcome.NOT_ATTEMPTED, Retry.AFTER_CORRECTION, message)
+    headers = [("Content-Type", MEDIA_TYPE), *(extra_headers or [])]
+    return _reply_to_response(Reply(status, headers, encode(body)))
+
+
+def auth_required() -> http.Response:
+    return _refusal(
+        407,
+        Code.PROXY_AUTH_REQUIRED,
+        "Proxy authentication is required: use http://AGENT:TOKEN@host:port as the proxy URL. "
+        "Nothing was sent and nothing was recorded.",
+        [("Proxy-Authenticate", REALM)],
+    )
+
+
+class AgentAuth:
+    """Agents authenticate with ``Proxy-Authorization: Basic agent:token``.
+
+    mitmproxy's ``proxyauth`` addon knows one user; the broker needs an identity per agent. For
+    HTTPS the header comes with CONNECT only, so the identity is kept per client connection.
+    """
+
+    def __init__(self, tokens: dict[str, str]):
+        self._tokens = {name: token.encode() for name, token in tokens.items()}
+        self._by_client: dict[str, str] = {}
+
+    def authenticate(self, header: str | None) -> str | None:
+        if not header or not header.lower().startswith("basic "):
+            return None
+        try:
+            decoded = base64.b64decode(header[6:].strip(), validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+        agent, sep, token = decoded.partition(":")
+        expected = self._tokens.get(agent)
+        # Compare against something even for unknown agents, so timing reveals nothing.
+        if not sep or not hmac.compare_digest(token.encode(), expected or b"\0" * 32) or expected is None:
+            return None
+        return agent
+
+    def agent_of(self, flow: http.HTTPFlow) -> str | None:
+        agent = self._by_client.get(flow.client_conn.id)
+        if agent is not None:
+            return agent
+        return self.authenticate(flow.request.headers.get("Proxy-Authorization"))
+
+    def http_connect(self, flow: http.HTTPFlow) -> None:
+        try:
+            agent = self.authenticate(flow.request.headers.get("Proxy-Authorization"))
+            if agent is None:
+                flow.response = auth_required()
+            else:
+                self._by_client[flow.client_conn.id] = agent
+        except Exception:  # never fail open
+            log.exception("proxy authentication failed unexpectedly")
+            flow.response = auth_required()
+
+    def client_disconnected(self, client: Client) -> None:
+        self._by_client.pop(client.id, None)
+
+
+class BrokerAddon:
+    """Hands each request to the broker and tells it whether the reply reached the caller."""
+
+    def __init__(self, broker: Broker, auth: AgentAuth):
+        self.broker = broker
+        self.auth = auth
+        self._live: dict[str, AgentRequest] = {}
+        self._unsent: dict[str, Reply] = {}
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        try:
+            if flow.response is None and self.auth.agent_of(flow) is None:
+                flow.response = auth_required()
+        except Exception:
+            log.exception("request screening failed unexpectedly")
+            flow.response = _internal_error()
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None:
+            return
+        try:
+            agent = self.auth.agent_of(flow)
+            if agent is None:
+                flow.response = auth_required()
+                return
+            r = flow.request
+            req = AgentRequest(
+                agent=agent,
+                scheme=r.scheme,
+                host=r.host,
+                port=r.port,
+                method=r.method,
+                path=r.path,
+                headers=[(k, v) for k, v in r.headers.items(multi=True)],
+                body=r.raw_content or b"",
+            )
+            self._live[flow.id] = req
+            try:
+                reply = await self.broker.handle(req)
+            finally:
+                self._live.pop(flow.id, None)
+            if req.caller_gone.is_set() or flow.error is not None:
+                if reply.undelivered is not None:
+                    reply.undelivered()
+                return
+            flow.response = _reply_to_response(reply)
+            self._unsent[flow.id] = reply
+        except Exception:
+            log.exception("the broker failed on a request; answering with an envelope")
+            flow.response = _internal_error()
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        reply = self._unsent.pop(flow.id, None)
+        if reply is None:
+            return
+        try:
+            if flow.error is None and flow.client_conn.timestamp_end is None:
+                if reply.delivered is not None:
+                    reply.delivered()
+            elif reply.undelivered is not None:
+                reply.undelivered()
+        except Exception:
+            log.exception("could not record delivery of %s", reply.invocation_id)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        try:
+            req = self._live.get(flow.id)
+            if req is not None:
+                req.caller_gone.set()
+            reply = self._unsent.pop(flow.id, None)
+            if reply is not None and reply.undelivered is not None:
+                reply.undelivered()
+        except Exception:
+            log.exception("could not record a caller's disconnect")
+
+
+
+def _internal_error() -> http.Response:
+    """Last resort for a bug in the adapter: claim nothing the broker cannot prove."""
+    body = envelope(
+        None,
+        Code.REMOTE_OUTCOME_UNKNOWN,
+        Phase.REMOTE_EXECUTION,
+        Outcome.UNKNOWN,
+        Retry.RECONCILE,
+        "The broker hit an internal error while handling this request and cannot say whether it was "
+        "sent. Do not re-send blindly; operators: see the broker log and the journal.",
+    )
+    return _reply_to_response(Reply(500, [("Content-Type", MEDIA_TYPE)], encode(body)))

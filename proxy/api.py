@@ -1,0 +1,177 @@
+"""The side API (FastAPI), served by uvicorn in the broker's own event loop.
+
+Agents authenticate with ``Authorization: Bearer <agent token>`` and see only their own
+invocations; the operator token sees everything. An id the caller may not see is answered
+exactly like an id that does not exist (404), so ids cannot be probed.
+"""
+
+import hmac
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from . import VERSION
+from .broker import INVOCATION_HEADER, OUTCOME_HEADER
+from .contract import Code, Outcome, Phase, Retry
+from .envelope import MEDIA_TYPE, envelope
+from .invocation_view import describe
+from .store import queries
+
+REPLAYED_HEADER = "Affidavit-Replayed"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    agent: str | None  # None: the operator
+
+    @property
+    def operator(self) -> bool:
+        return self.agent is None
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, title: str, detail: str, headers: dict[str, str] | None = None):
+        self.status, self.title, self.detail, self.headers = status, title, detail, headers or {}
+
+
+def _problem(status: int, title: str, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(
+        {"type": "about:blank", "title": title, "status": status, "detail": detail},
+        status_code=status,
+        media_type=MEDIA_TYPE,
+        headers=headers,
+    )
+
+
+def create_app(
+    engine: AsyncEngine,
+    agent_tokens: dict[str, str],
+    operator_token: str | None,
+    journal_healthy: Any = None,
+) -> FastAPI:
+    app = FastAPI(
+        title="Affidavit side API",
+        version=VERSION,
+        description="Recorded invocations and results of the Affidavit broker. See docs/api.md.",
+    )
+    tokens = {token.encode(): name for name, token in agent_tokens.items()}
+    operator = operator_token.encode() if operator_token else None
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return _problem(exc.status, exc.title, exc.detail, exc.headers)
+
+    def principal(request: Request) -> Principal:
+        header = request.headers.get("authorization", "")
+        scheme, _, credential = header.partition(" ")
+        if scheme.lower() != "bearer" or not credential:
+            raise ApiError(401, "Unauthorized", "Send 'Authorization: Bearer <agent or operator token>'.",
+                           {"WWW-Authenticate": 'Bearer realm="affidavit"'})
+        given = credential.strip().encode()
+        if operator is not None and hmac.compare_digest(given, operator):
+            return Principal(None)
+        for token, name in tokens.items():
+            if hmac.compare_digest(given, token):
+                return Principal(name)
+        raise ApiError(401, "Unauthorized", "The token is not valid for this broker.",
+                       {"WWW-Authenticate": 'Bearer realm="affidavit", error="invalid_token"'})
+
+    def operator_only(who: Annotated[Principal, Depends(principal)]) -> Principal:
+        if not who.operator:
+            raise ApiError(403, "Forbidden", "This call needs the operator token.")
+        return who
+
+    async def visible(invocation_id: str, who: Principal) -> dict[str, Any]:
+        row = await queries.invocation(engine, invocation_id)
+        if row is None or (not who.operator and row["agent"] != who.agent):
+            raise ApiError(404, "Not Found", f"No invocation {invocation_id!r} is visible to this token.")
+        return row
+
+    @app.get("/healthz", tags=["health"], summary="Liveness: the process is serving")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"], summary="Readiness: the journal answers")
+    async def readyz() -> Response:
+        try:
+            await queries.ping(engine)
+        except Exception:
+            return JSONResponse({"status": "unavailable", "journal": "unreachable"}, status_code=503)
+        return JSONResponse({"status": "ready", "journal": "ok"})
+
+    @app.get("/v1/invocations/{invocation_id}", tags=["invocations"], summary="One invocation's record")
+    async def get_invocation(invocation_id: str, who: Annotated[Principal, Depends(principal)]) -> dict[str, Any]:
+        row = await visible(invocation_id, who)
+        rows = await queries.event_rows(engine, invocation_id)
+        events = queries.decode_events(rows)
+        return describe(row, events, operator=who.operator, event_times={r["seq"]: r["at"] for r in rows})
+
+    @app.get(
+        "/v1/invocations/{invocation_id}/result",
+        tags=["invocations"],
+        summary="The recorded final response, replayed exactly; never a partial body",
+        responses={409: {"description": "No complete result exists; the body is the contract envelope"}},
+    )
+    async def get_result(invocation_id: str, who: Annotated[Principal, Depends(principal)]) -> Response:
+        row = await visible(invocation_id, who)
+        stored = await queries.result(engine, invocation_id)
+        if stored is None:
+            events = queries.decode_events(await queries.event_rows(engine, invocation_id))
+            view = describe(row, events)
+            body = envelope(
+                invocation_id,
+                Code(view["code"]) if view["code"] else Code.REMOTE_OUTCOME_UNKNOWN,
+                Phase(view["phase"]),
+                Outcome(view["outcome"]),
+                Retry(view["retry"]) if view["retry"] else Retry.BACKOFF,
+                _no_result_message(view["outcome"]),
+                {k: view["evidence"][k] for k in ("dispatch_started", "request_complete", "response_headers_received", "response_complete")},
+            )
+            return JSONResponse(body, status_code=409, media_type=MEDIA_TYPE, headers={INVOCATION_HEADER: invocation_id})
+        headers = [(k, v) for k, v in json.loads(stored["headers"]) if k.lower() not in ("content-length", "transfer-encoding", "connection")]
+        response = Response(content=bytes(stored["body"]), status_code=stored["status"])
+        for k, v in headers:
+            response.headers.append(k, v)
+        response.headers[INVOCATION_HEADER] = invocation_id
+        response.headers[OUTCOME_HEADER] = row["outcome"]
+        response.headers[REPLAYED_HEADER] = "true"
+        return response
+
+    @app.get("/v1/invocations", tags=["invocations"], summary="List invocations (operator)")
+    async def list_invocations(
+        _who: Annotated[Principal, Depends(operator_only)],
+        outcome: Annotated[str | None, Query(description="not_attempted, rejected, committed, unknown")] = None,
+        phase: str | None = None,
+        route: str | None = None,
+        code: str | None = None,
+        agent: str | None = None,
+        since_hours: Annotated[float | None, Query(gt=0)] = None,
+        before: Annotated[str | None, Query(description="page: the last invocation_id of the previous page")] = None,
+        limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    ) -> dict[str, Any]:
+        since = datetime.now(UTC) - timedelta(hours=since_hours) if since_hours else None
+        rows = await queries.list_invocations(
+            engine, agent=agent, outcome=outcome, phase=phase, route=route, code=code, since=since, before=before, limit=limit
+        )
+        items = [
+            {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in row.items()
+             if k in ("invocation_id", "created_at", "agent", "route", "method", "target", "phase", "outcome", "retry", "code", "caller_disposition", "status")}
+            for row in rows
+        ]
+        return {"items": items, "next": items[-1]["invocation_id"] if len(items) == limit else None}
+
+    return app
+
+
+def _no_result_message(outcome: str) -> str:
+    if outcome == Outcome.NOT_ATTEMPTED.value:
+        return "There is no result: the request was never sent."
+    if outcome == Outcome.UNKNOWN.value:
+        return ("There is no complete result: the request may have reached the remote, and no complete "
+                "response was recorded. Follow the retry hint; do not re-send blindly.")
+    return "No stored result exists for this invocation."

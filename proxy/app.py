@@ -1,0 +1,224 @@
+"""Run the broker: mitmproxy (embedded, lean) and the side API in one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import uvicorn
+from mitmproxy import options
+from mitmproxy.addons import core, next_layer, proxyserver, tlsconfig
+from mitmproxy.master import Master
+from ulid import ULID
+
+from .addon import AgentAuth, BrokerAddon
+from .api import create_app
+from .broker import Broker
+from .config import ConfigError, Settings, parse_listen
+from .credentials import CredentialUnavailable, Credentials, read_source
+from .store import migrate
+from .store.journal import Journal, make_engine
+from .upstream import Upstream
+
+log = logging.getLogger("affidavit")
+
+CA_FILE = "mitmproxy-ca-cert.pem"
+
+
+def ca_path(settings: Settings) -> Path:
+    return (settings.proxy.confdir / CA_FILE).resolve()
+
+
+def resolve_tokens(settings: Settings) -> tuple[dict[str, str], str | None]:
+    """Agent and operator tokens are needed to serve at all: a missing one stops the start."""
+    tokens: dict[str, str] = {}
+    problems: list[str] = []
+    for i, agent in enumerate(settings.agents):
+        try:
+            tokens[agent.name], _ = read_source(agent.token, what=f"agents[{i}].token")
+        except CredentialUnavailable as exc:
+            problems.append(exc.message)
+    operator = None
+    if settings.api.operator_token:
+        try:
+            operator, _ = read_source(settings.api.operator_token, what="api.operator_token")
+        except CredentialUnavailable as exc:
+            problems.append(exc.message)
+    if problems:
+        raise ConfigError("cannot start; tokens unavailable:\n  " + "\n  ".join(problems))
+    return tokens, operator
+
+
+def prepare_database(settings: Settings) -> None:
+    """SQLite (the embedded default) upgrades itself; PostgreSQL only when asked to."""
+    auto = settings.database.auto_upgrade
+    if auto is None:
+        auto = settings.database.is_sqlite
+    if auto:
+        migrate.upgrade(settings.database.url)
+        return
+    current = migrate.current(settings.database.url)
+    if current != migrate.head():
+        raise ConfigError(
+            f"database.url: the schema is at {current or 'nothing'}, this broker needs {migrate.head()}. "
+            "Run `affidavit db upgrade` first (or set database.auto_upgrade = true)."
+        )
+
+
+def env_lines(settings: Settings, agent: str = "AGENT", token: str = "TOKEN") -> list[str]:
+    host, port = parse_listen(settings.proxy.listen)
+    proxy = f"http://{agent}:{token}@{host}:{port}"
+    ca = ca_path(settings)
+    return [
+        f"export HTTPS_PROXY={proxy}",
+        f"export HTTP_PROXY={proxy}",
+        f"export SSL_CERT_FILE={ca}",
+        f"export REQUESTS_CA_BUNDLE={ca}",
+        f"export CURL_CA_BUNDLE={ca}",
+        f"export NODE_EXTRA_CA_CERTS={ca}",
+        "export NODE_USE_ENV_PROXY=1",
+    ]
+
+
+@dataclass
+class Running:
+    master: Master
+    api: uvicorn.Server
+    broker: Broker
+    journal: Journal
+
+
+class _Ready:
+    """Tells the runner when mitmproxy's listeners are up."""
+
+    def __init__(self, on_ready: Callable[[], None]):
+        self._on_ready = on_ready
+
+    def running(self) -> None:
+        self._on_ready()
+
+
+async def serve(settings: Settings, *, announce: Callable[[str], None] = print) -> None:
+    tokens, operator = resolve_tokens(settings)
+    owner = f"{socket.gethostname()}:{os.getpid()}:{str(ULID())[-6:]}"
+    engine = make_engine(settings.database.url, settings.database.pool_size)
+    journal = Journal(engine, writer=owner)
+    await journal.start()
+    upstream = Upstream(ca_bundle=settings.upstream.ca_bundle)
+    credentials = Credentials(settings)
+    broker = Broker(settings, journal, upstream, credentials, owner)
+
+    listen_host, listen_port = parse_listen(settings.proxy.listen)
+    settings.proxy.confdir.mkdir(parents=True, exist_ok=True)
+    opts = options.Options(listen_host=listen_host, listen_port=listen_port, confdir=str(settings.proxy.confdir))
+    master = Master(opts)
+    ready = asyncio.Event()
+    auth = AgentAuth(tokens)
+    # A lean master: only the addons the broker needs (mitmdump walks ~30 on every hook).
+    master.addons.add(
+        core.Core(),
+        proxyserver.Proxyserver(),
+        next_layer.NextLayer(),
+        tlsconfig.TlsConfig(),
+        auth,
+        BrokerAddon(broker, auth),
+        _Ready(ready.set),
+    )
+    largest = max([int(r.max_body) for r in settings.routes if r.max_body is not None] + [int(settings.proxy.max_body)])
+    opts.update(
+        connection_strategy="lazy",
+        upstream_cert=False,
+        body_size_limit=str(largest + 1024 * 1024),
+        websocket=False,
+        rawtcp=False,
+    )
+
+    api_host, api_port = parse_listen(settings.api.listen)
+    api = uvicorn.Server(
+        uvicorn.Config(
+            create_app(engine, tokens, operator),
+            host=api_host,
+            port=api_port,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            loop="none",
+            server_header=False,
+            date_header=False,
+        )
+    )
+    api.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, master.shutdown)
+        except NotImplementedError:  # pragma: no cover - non-Unix
+            pass
+
+    api_task = asyncio.create_task(api.serve(), name="side api")
+    master_task = asyncio.create_task(master.run(), name="mitmproxy")
+    try:
+        ready_wait = asyncio.create_task(ready.wait())
+        done, _ = await asyncio.wait({ready_wait, master_task, api_task}, return_when=asyncio.FIRST_COMPLETED)
+        if ready_wait not in done:
+            ready_wait.cancel()
+            for task in done:
+                task.result()
+            raise RuntimeError("the proxy stopped during start-up")
+        while not api.started and not api_task.done():
+            await asyncio.sleep(0.01)
+        if api_task.done():
+            api_task.result()
+            raise RuntimeError(f"the side API could not listen on {settings.api.listen}")
+        announce(banner(settings))
+        done, _ = await asyncio.wait({master_task, api_task}, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()
+    finally:
+        master.shutdown()
+        api.should_exit = True
+        await asyncio.gather(master_task, api_task, return_exceptions=True)
+        await broker.close()
+        await journal.close()
+        await upstream.close()
+        await engine.dispose()
+
+
+def banner(settings: Settings) -> str:
+    lines = [
+        f"affidavit: proxy listening on {settings.proxy.listen}, side API on http://{settings.api.listen}",
+        f"affidavit: journal {redact_url(settings.database.url)}",
+        f"affidavit: CA certificate {ca_path(settings)}",
+        "affidavit: for an agent (replace AGENT:TOKEN with one of [[agents]]):",
+        *(f"  {line}" for line in env_lines(settings)),
+    ]
+    return "\n".join(lines)
+
+
+def redact_url(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def run(settings: Settings) -> int:
+    try:
+        prepare_database(settings)
+    except ConfigError:
+        raise
+    try:
+        asyncio.run(serve(settings, announce=lambda text: print(text, flush=True)))
+    except KeyboardInterrupt:
+        pass
+    except OSError as exc:
+        print(f"affidavit: cannot start: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,91 @@
+"""The ``affidavit`` command line (typer)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .config import ConfigError, Settings, load_settings
+
+app = typer.Typer(
+    help="Affidavit: an HTTP(S) forward proxy for AI agents that tells the truth about remote effects.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+db_app = typer.Typer(help="The journal database.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+ConfigOption = Annotated[
+    Optional[Path],
+    typer.Option("--config", "-c", envvar="AFFIDAVIT_CONFIG", help="TOML configuration file (default ./affidavit.toml)."),
+]
+
+
+def _settings(config: Path | None) -> Settings:
+    try:
+        return load_settings(config)
+    except ConfigError as exc:
+        typer.echo(f"affidavit: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def run(config: ConfigOption = None) -> None:
+    """Start the broker: the proxy and the side API."""
+    from .app import run as run_broker
+
+    settings = _settings(config)
+    try:
+        code = run_broker(settings)
+    except ConfigError as exc:
+        typer.echo(f"affidavit: {exc}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
+
+
+@app.command()
+def env(
+    config: ConfigOption = None,
+    agent: Annotated[str, typer.Option(help="Agent name to put in the proxy URL.")] = "AGENT",
+    token: Annotated[str, typer.Option(help="Token to put in the proxy URL (placeholder by default).")] = "TOKEN",
+) -> None:
+    """Print the exports an agent needs (proxy URL and the broker's CA for curl, Python, Node)."""
+    from .app import env_lines
+
+    settings = _settings(config)
+    for line in env_lines(settings, agent, token):
+        typer.echo(line)
+
+
+@app.command()
+def ca(config: ConfigOption = None, pem: Annotated[bool, typer.Option(help="Print the certificate itself.")] = False) -> None:
+    """Print the path of the broker's CA certificate (agents must trust it)."""
+    from .app import ca_path
+
+    settings = _settings(config)
+    path = ca_path(settings)
+    if not path.is_file():
+        typer.echo(f"affidavit: {path} does not exist yet; it is created on the first `affidavit run`.", err=True)
+        raise typer.Exit(1)
+    typer.echo(path.read_text() if pem else str(path))
+
+
+@db_app.command("upgrade")
+def db_upgrade(config: ConfigOption = None) -> None:
+    """Bring the journal's schema to the version this broker needs."""
+    from .app import redact_url
+    from .store import migrate
+
+    settings = _settings(config)
+    migrate.upgrade(settings.database.url)
+    typer.echo(f"affidavit: {redact_url(settings.database.url)} is at revision {migrate.head()}")
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)

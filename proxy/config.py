@@ -1,0 +1,343 @@
+"""Configuration: one TOML file plus ``AFFIDAVIT_*`` environment variables, validated at start.
+
+The environment overrides the file (``AFFIDAVIT_PROXY__LISTEN=127.0.0.1:9090``; lists such as
+``AFFIDAVIT_ROUTES`` take JSON). A bad configuration raises :class:`ConfigError`, which names the
+file, the key and the reason; nothing starts half-configured.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+DEFAULT_CONFIG = Path("affidavit.toml")
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_duration(value: Any) -> float:
+    """``"250ms"``, ``"10s"``, ``"5m"``, ``"24h"``, ``"7d"`` or a number of seconds."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(str(value))
+        if not match:
+            raise ValueError(f"{value!r} is not a duration such as '10s', '5m' or '24h'")
+        seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    if seconds <= 0:
+        raise ValueError("a duration must be positive")
+    return seconds
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port = str(value).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} is not host:port, e.g. '127.0.0.1:8080'")
+    return host.strip("[]"), int(port)
+
+
+def _check_listen(value: str) -> str:
+    parse_listen(value)
+    return value
+
+
+Listen = Annotated[str, BeforeValidator(_check_listen)]
+
+_SOURCE = re.compile(r"^(env|file|vault):(.+)$")
+
+
+def _check_source(value: str) -> str:
+    if not isinstance(value, str) or not _SOURCE.match(value):
+        raise ValueError("must be 'env:NAME', 'file:/path' or 'vault:NAME' (never the value itself)")
+    return value
+
+
+SecretSource = Annotated[str, BeforeValidator(_check_source)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ProxySection(_Section):
+    listen: Listen = "127.0.0.1:8080"
+    default: Literal["deny"] = "deny"
+    #: mitmproxy's configuration directory: the broker's CA certificate and key live here.
+    confdir: Path = Path(".affidavit")
+    #: Default request-body limit for routes that set none.
+    max_body: ByteSize = ByteSize(10 * 1024 * 1024)
+    #: Request header agents may use to mark one logical operation (see docs/retries.md).
+    idempotency_header: str = "Idempotency-Key"
+
+
+class ApiSection(_Section):
+    listen: Listen = "127.0.0.1:8081"
+    operator_token: SecretSource | None = None
+
+
+class DatabaseSection(_Section):
+    url: str = "sqlite+aiosqlite:///./affidavit.db"
+    pool_size: int = Field(default=10, ge=1, le=200)
+    #: Upgrade the schema on start (always done for SQLite; PostgreSQL uses `affidavit db upgrade`).
+    auto_upgrade: bool | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _supported(cls, url: str) -> str:
+        if not url.startswith(("sqlite+aiosqlite://", "postgresql+asyncpg://")):
+            raise ValueError("use 'sqlite+aiosqlite:///path.db' or 'postgresql+asyncpg://user@host/db'")
+        return url
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.url.startswith("sqlite")
+
+
+class UpstreamSection(_Section):
+    #: Extra CA file trusted for upstream TLS, on top of the system store.
+    ca_bundle: str = ""
+    connect_timeout: Duration = 10.0
+    #: How long the caller waits for a complete response before being told `unknown`.
+    response_timeout: Duration = 60.0
+    #: How long the broker keeps reading a late response after the caller stopped waiting,
+    #: so a result that arrives late is still recorded and fetchable.
+    result_horizon: Duration = 300.0
+    max_response_body: ByteSize = ByteSize(32 * 1024 * 1024)
+
+
+class Agent(_Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    token: SecretSource
+
+
+class Secret(_Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    from_: SecretSource = Field(alias="from")
+
+
+class Injection(_Section):
+    """How the credential is attached: a header template, or HTTP Basic with a fixed user."""
+
+    header: str | None = None
+    value: str = "{secret}"
+    basic: str | None = Field(default=None, description="HTTP Basic username; the secret is the password")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> "Injection":
+        if (self.header is None) == (self.basic is None):
+            raise ValueError("set exactly one of 'header' (with 'value') or 'basic'")
+        if self.header is not None and "{secret}" not in self.value:
+            raise ValueError("'value' must contain '{secret}'")
+        return self
+
+    @property
+    def target_header(self) -> str:
+        return self.header if self.header is not None else "Authorization"
+
+    @property
+    def method(self) -> str:
+        return "basic" if self.basic is not None else "header"
+
+
+class Idempotency(_Section):
+    """A declared remote contract: the service binds this header's key to one operation."""
+
+    header: str = "Idempotency-Key"
+    scope: str
+    retention: Duration
+
+
+class Route(_Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]+$")
+    host: str
+    port: int = Field(default=443, ge=1, le=65535)
+    scheme: Literal["http", "https"] | None = None
+    methods: list[str] = Field(default_factory=lambda: ["GET", "HEAD"])
+    path: str = "/*"
+    agents: list[str]
+    credential: str | None = None
+    inject: Injection | None = None
+    idempotent: bool | None = None
+    idempotency: Idempotency | None = None
+    approval: bool = False
+    max_body: ByteSize | None = None
+    retry_budget: int = Field(default=3, ge=0)
+    #: Connect here instead of resolving `host` (TLS is still verified against `host`).
+    connect_to: Listen | None = None
+    connect_timeout: Duration | None = None
+    response_timeout: Duration | None = None
+
+    @field_validator("methods")
+    @classmethod
+    def _upper(cls, methods: list[str]) -> list[str]:
+        if not methods:
+            raise ValueError("list at least one method")
+        return [m.upper() for m in methods]
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, host: str) -> str:
+        host = host.lower()
+        if host.startswith("*.") and len(host) > 2 or re.fullmatch(r"[a-z0-9.-]+|\[[0-9a-f:]+\]", host):
+            return host
+        raise ValueError("must be an exact host name or '*.suffix'")
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, path: str) -> str:
+        if not path.startswith("/"):
+            raise ValueError("must start with '/' (a glob such as '/v1/charges*')")
+        return path
+
+    @model_validator(mode="after")
+    def _credential_needs_injection(self) -> "Route":
+        if (self.credential is None) != (self.inject is None):
+            raise ValueError("'credential' and 'inject' go together")
+        return self
+
+    @property
+    def effective_scheme(self) -> str:
+        return self.scheme or ("http" if self.port == 80 else "https")
+
+    def matches_target(self, scheme: str, host: str, port: int) -> bool:
+        if scheme != self.effective_scheme or port != self.port:
+            return False
+        host = host.lower()
+        if self.host.startswith("*."):
+            return host.endswith(self.host[1:]) and len(host) > len(self.host) - 1
+        return host == self.host
+
+    def matches_path(self, path: str) -> bool:
+        return fnmatchcase(path, self.path)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="AFFIDAVIT_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        populate_by_name=True,
+    )
+
+    proxy: ProxySection = ProxySection()
+    api: ApiSection = ApiSection()
+    database: DatabaseSection = DatabaseSection()
+    upstream: UpstreamSection = UpstreamSection()
+    agents: list[Agent] = Field(default_factory=list)
+    secrets: list[Secret] = Field(default_factory=list)
+    routes: list[Route] = Field(default_factory=list)
+
+    #: Set by :func:`load_settings` for the duration of one construction.
+    _toml_path: ClassVar[Path | None] = None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if cls._toml_path is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=cls._toml_path))
+        return tuple(sources)
+
+    @model_validator(mode="after")
+    def _references(self) -> "Settings":
+        agents = _unique("agents", [a.name for a in self.agents])
+        secrets = _unique("secrets", [s.name for s in self.secrets])
+        _unique("routes", [r.name for r in self.routes])
+        for i, route in enumerate(self.routes):
+            for agent in route.agents:
+                if agent not in agents:
+                    raise ValueError(f"routes[{i}].agents: no agent named {agent!r} in [[agents]]")
+            if route.credential is not None and route.credential not in secrets:
+                raise ValueError(f"routes[{i}].credential: no secret named {route.credential!r} in [[secrets]]")
+        return self
+
+    def secret(self, name: str) -> Secret:
+        return next(s for s in self.secrets if s.name == name)
+
+
+def _unique(section: str, names: list[str]) -> set[str]:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"{section}: the name {name!r} is used twice")
+        seen.add(name)
+    return seen
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used. The message names the file, the key and the reason."""
+
+
+def load_settings(path: Path | None = None, **overrides: Any) -> Settings:
+    """Read ``path`` (if it exists or was asked for) and the environment; validate everything."""
+    toml_path: Path | None = None
+    if path is not None:
+        if not path.is_file():
+            raise ConfigError(f"{path}: no such configuration file")
+        toml_path = path
+    elif DEFAULT_CONFIG.is_file():
+        toml_path = DEFAULT_CONFIG
+    where = str(toml_path) if toml_path else "environment"
+    if toml_path is not None:
+        try:
+            tomllib.loads(toml_path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{toml_path}: not valid TOML: {exc}") from None
+    Settings._toml_path = toml_path
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(_describe(where, exc)) from None
+    finally:
+        Settings._toml_path = None
+
+
+def _describe(where: str, exc: ValidationError) -> str:
+    lines = [f"{where}: invalid configuration ({exc.error_count()} problem(s)); nothing was started:"]
+    for error in exc.errors():
+        key = _key(error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        lines.append(f"  {key or '(top level)'}: {message}")
+    return "\n".join(lines)
+
+
+def _key(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.startswith(("function-", "constrained-")):
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out

@@ -1,0 +1,95 @@
+"""Credentials: resolve a secret source at the moment of use and attach it to a request.
+
+Values live only in memory, only for the request that needs them. What is recorded is the
+credential's id, a non-secret version and the injection method.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import Injection, Settings
+from .contract import Code
+
+
+@dataclass(frozen=True, slots=True)
+class Credential:
+    id: str
+    version: str
+    value: str = field(repr=False)
+
+
+class CredentialUnavailable(Exception):
+    """The credential cannot be used; ``message`` is safe to show (it never names the value)."""
+
+    def __init__(self, code: Code, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def read_source(source: str, *, what: str) -> tuple[str, str]:
+    """(value, version) of an ``env:`` or ``file:`` source. Raises CredentialUnavailable."""
+    scheme, _, ref = source.partition(":")
+    if scheme == "env":
+        value = os.environ.get(ref)
+        if not value:
+            raise CredentialUnavailable(Code.CREDENTIAL_MISSING, f"{what}: environment variable {ref} is not set")
+        return value, "env"
+    if scheme == "file":
+        path = Path(ref)
+        try:
+            stat = path.stat()
+            value = path.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise CredentialUnavailable(
+                Code.CREDENTIAL_MISSING, f"{what}: cannot read {path} ({exc.strerror or 'unreadable'})"
+            ) from None
+        if not value:
+            raise CredentialUnavailable(Code.CREDENTIAL_MISSING, f"{what}: {path} is empty")
+        return value, f"file-{stat.st_mtime_ns}"
+    if scheme == "vault":
+        raise CredentialUnavailable(Code.VAULT_LOCKED, f"{what}: the vault is not available in this broker")
+    raise CredentialUnavailable(Code.CREDENTIAL_MISSING, f"{what}: unsupported source")
+
+
+class Credentials:
+    def __init__(self, settings: Settings):
+        self._sources = {s.name: s.from_ for s in settings.secrets}
+
+    def get(self, name: str) -> Credential:
+        source = self._sources.get(name)
+        if source is None:
+            raise CredentialUnavailable(Code.CREDENTIAL_MISSING, f"credential '{name}' is not configured")
+        value, version = read_source(source, what=f"credential '{name}'")
+        return Credential(id=name, version=version, value=value)
+
+
+def injected_header(inject: Injection, credential: Credential) -> tuple[str, str]:
+    """The header that carries the credential. Plain replacement, never str.format."""
+    if inject.basic is not None:
+        token = base64.b64encode(f"{inject.basic}:{credential.value}".encode()).decode("ascii")
+        return "Authorization", f"Basic {token}"
+    assert inject.header is not None
+    return inject.header, inject.value.replace("{secret}", credential.value)
+
+
+def redaction_needles(credential: Credential, header_value: str) -> list[bytes]:
+    """Byte strings that must never be stored or shown: the value and the finished header."""
+    needles = {credential.value, header_value}
+    if header_value.startswith("Basic "):
+        needles.add(header_value.removeprefix("Basic "))
+    return sorted((n.encode() for n in needles if len(n) >= 4), key=len, reverse=True)
+
+
+def redact(data: bytes, needles: list[bytes]) -> tuple[bytes, bool]:
+    """Replace every occurrence of a needle; returns (bytes, whether anything was replaced)."""
+    changed = False
+    for needle in needles:
+        if needle in data:
+            data = data.replace(needle, b"[REDACTED]")
+            changed = True
+    return data, changed

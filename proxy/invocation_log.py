@@ -1,0 +1,181 @@
+"""One invocation's log: contract events in, durable rows out.
+
+The bridge between the pure contract and the journal. :meth:`InvocationLog.append` validates an
+event against the contract and folds it into the in-memory :class:`~proxy.contract.Record`;
+:meth:`submit` hands the new events and the resulting projection to the journal (write-behind);
+:meth:`commit` waits until they are durable (write-through, used at the dispatch boundary and
+before any answer that names the invocation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Callable
+
+from ulid import ULID
+
+from .contract import Event, EventKind, Operation, Record, apply, retry_hint
+from .store.journal import EventRow, Fence, Journal, JournalUnavailable, Write, projection_row
+
+PayloadCodec = Callable[[dict[str, Any]], tuple[bytes, str | None]]
+
+
+def plain_json(data: dict[str, Any]) -> tuple[bytes, str | None]:
+    return json.dumps(data, separators=(",", ":"), sort_keys=True, default=str).encode(), None
+
+
+def new_invocation_id() -> str:
+    return f"act_{ULID()}"
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """What the invocation is: fixed when it is accepted, stored once."""
+
+    invocation_id: str
+    agent: str
+    route: str | None
+    method: str
+    target: str
+    fingerprint: str
+    idempotent: bool
+    remote_contract: bool = False
+    idempotency_key: str | None = None
+    idempotency_scope: str | None = None
+    idempotency_expires_at: datetime | None = None
+    retry_budget: int = 0
+
+    @property
+    def operation(self) -> Operation:
+        return Operation(idempotent=self.idempotent, remote_contract=self.remote_contract, fingerprint=self.fingerprint)
+
+    def retention_open(self, now: datetime) -> bool:
+        return self.idempotency_expires_at is None or now < self.idempotency_expires_at
+
+
+class InvocationLog:
+    def __init__(
+        self,
+        journal: Journal,
+        identity: Identity,
+        owner: str,
+        *,
+        codec: PayloadCodec = plain_json,
+        record: Record | None = None,
+        persisted: bool = False,
+        generation: int = 0,
+    ):
+        self.journal = journal
+        self.identity = identity
+        self.owner = owner
+        self.codec = codec
+        self.record = record or Record()
+        self.generation = generation
+        self.credential: tuple[str | None, str | None, str | None] = (None, None, None)
+        self.attempts_used = self.record.dispatch_count
+        self._buffer: list[EventRow] = []
+        self._persisted = persisted
+        self._last: asyncio.Future[None] | None = None
+        self._created_at = utcnow()
+
+    @property
+    def invocation_id(self) -> str:
+        return self.identity.invocation_id
+
+    def append(self, kind: EventKind, **data: Any) -> Event:
+        """Record a fact. Raises :class:`~proxy.contract.IllegalTransition` for impossible moves."""
+        data = {k: v for k, v in data.items() if v is not None}
+        seq = (self.record.last_seq or 0) + 1
+        event = Event(kind, data, seq)
+        self.record = apply(self.record, event)
+        if kind is EventKind.DISPATCH_STARTED:
+            self.attempts_used = self.record.dispatch_count
+        payload, key_id = self.codec(data)
+        self._buffer.append(EventRow(self.invocation_id, seq, kind.value, utcnow(), payload, key_id))
+        return event
+
+    def projection(self, now: datetime | None = None) -> dict[str, Any]:
+        now = now or utcnow()
+        record = self.record
+        retry = retry_hint(record, self.identity.operation, retention_open=self.identity.retention_open(now))
+        return {
+            "updated_at": now,
+            "stage": record.stage.value,
+            "phase": record.phase.value,
+            "outcome": record.outcome.value,
+            "retry": retry.value if retry else None,
+            "code": record.code.value if record.code else None,
+            "caller_disposition": record.caller_disposition.value,
+            "dispatch_started": record.dispatch_started,
+            "dispatch_seq": record.dispatch_seq,
+            "status": record.status,
+            "last_seq": record.last_seq or 0,
+            "attempts_used": self.attempts_used,
+            "credential_id": self.credential[0],
+            "credential_version": self.credential[1],
+            "injection": self.credential[2],
+        }
+
+    def _insert_row(self, projection: dict[str, Any]) -> dict[str, Any]:
+        i = self.identity
+        return {
+            "invocation_id": i.invocation_id,
+            "created_at": self._created_at,
+            "agent": i.agent,
+            "route": i.route,
+            "method": i.method,
+            "target": i.target,
+            "fingerprint": i.fingerprint,
+            "idempotent": i.idempotent,
+            "idempotency_key": i.idempotency_key,
+            "idempotency_scope": i.idempotency_scope,
+            "idempotency_expires_at": i.idempotency_expires_at,
+            "remote_contract": i.remote_contract,
+            "owner": self.owner,
+            "lease_expires_at": None,
+            "generation": self.generation,
+            "retry_budget": i.retry_budget,
+            **projection,
+        }
+
+    def submit(self, *, result: dict[str, Any] | None = None, fence: Fence | None = None) -> asyncio.Future[None]:
+        """Hand buffered events (and the new projection) to the journal without waiting."""
+        projection = self.projection()
+        write = Write(events=self._buffer, result=result, fence=fence, after=self._last)
+        self._buffer = []
+        if self._persisted:
+            write.update_invocation = projection_row(self.invocation_id, projection)
+        else:
+            write.insert_invocation = self._insert_row(projection)
+            self._persisted = True
+        self._last = self.journal.submit(write)
+        return self._last
+
+    async def commit(self, **kwargs: Any) -> None:
+        """Make everything appended so far durable; raises JournalUnavailable or LeaseLost."""
+        await self.submit(**kwargs)
+
+    def submit_quietly(self) -> None:
+        """Write-behind for facts nobody waits on; a failure surfaces at the next commit."""
+        future = self.submit()
+        future.add_done_callback(_consume)
+
+    @property
+    def broken(self) -> bool:
+        last = self._last
+        return last is not None and last.done() and (last.cancelled() or last.exception() is not None)
+
+
+def _consume(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+__all__ = ["Identity", "InvocationLog", "JournalUnavailable", "new_invocation_id", "utcnow"]

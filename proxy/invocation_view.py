@@ -1,0 +1,121 @@
+"""What the side API and the CLI show for one invocation: the projection of its events.
+
+Pure: rows and decoded events in, a JSON-ready dict out. The record is re-projected from the
+events (the truth) rather than read from the ``invocations`` row (a cache of it), and the retry
+hint is computed for *now*, so an idempotency retention that has run out is reflected at once.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from .contract import Event, EventKind, Operation, Record, decide, project, retry_hint
+
+#: Event fields shown to operators only: library diagnostics are internal.
+_INTERNAL = frozenset({"diagnostic"})
+
+
+def _iso(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value.isoformat()
+    return str(value)
+
+
+def retention_open(row: dict[str, Any], now: datetime) -> bool:
+    expires = row.get("idempotency_expires_at")
+    if expires is None:
+        return True
+    if expires.tzinfo is None:
+        expires = expires.replace(tzinfo=UTC)
+    return now < expires
+
+
+def operation_of(row: dict[str, Any]) -> Operation:
+    return Operation(idempotent=bool(row["idempotent"]), remote_contract=bool(row["remote_contract"]), fingerprint=row["fingerprint"])
+
+
+def describe(
+    row: dict[str, Any],
+    events: list[Event],
+    *,
+    now: datetime | None = None,
+    operator: bool = False,
+    event_times: dict[int, Any] | None = None,
+) -> dict[str, Any]:
+    now = now or datetime.now(UTC)
+    record: Record = project(events)
+    operation = operation_of(row)
+    retry = retry_hint(record, operation, retention_open=retention_open(row, now))
+    next_action = decide(record, retry, operation, row["fingerprint"])
+    complete = next((e for e in reversed(events) if e.kind is EventKind.REMOTE_RESPONSE_COMPLETE), None)
+    evidence: dict[str, Any] = {
+        "dispatch": record.dispatch.value,
+        "dispatch_started": record.dispatch_started,
+        "dispatch_seq": record.dispatch_seq,
+        "request_complete": record.request_complete,
+        "response_headers_received": record.response_headers_received,
+        "response_complete": record.response_complete,
+        "status": record.status,
+        "certainty": record.certainty.value if record.certainty else None,
+        "attempts": [
+            {
+                "n": a.number,
+                "connection": a.connection,
+                "stage": a.stage,
+                "code": a.code.value if a.code else None,
+                "dispatch_seq": a.dispatch_seq,
+            }
+            for a in record.attempts
+        ],
+    }
+    if complete is not None:
+        for key in ("framing", "body_sha256", "body_bytes", "peer_certificate", "retry_after", "location", "http_version"):
+            if key in complete.data:
+                evidence[key] = complete.data[key]
+    idempotency = None
+    if row.get("idempotency_key") or row.get("remote_contract"):
+        idempotency = {
+            "key": row.get("idempotency_key"),
+            "scope": row.get("idempotency_scope"),
+            "expires_at": _iso(row.get("idempotency_expires_at")),
+            "fingerprint": row["fingerprint"],
+            "remote_contract": "configured" if row.get("remote_contract") else "none",
+        }
+    return {
+        "invocation_id": row["invocation_id"],
+        "agent": row["agent"],
+        "route": row["route"],
+        "method": row["method"],
+        "target": row["target"],
+        "fingerprint": row["fingerprint"],
+        "created_at": _iso(row["created_at"]),
+        "phase": record.phase.value,
+        "outcome": record.outcome.value,
+        "retry": retry.value if retry else None,
+        "code": record.code.value if record.code else None,
+        "caller_disposition": record.caller_disposition.value,
+        "stage": record.stage.value,
+        "next_action": next_action.value,
+        "credential": {
+            "id": row.get("credential_id"),
+            "version": row.get("credential_version"),
+            "injection": row.get("injection"),
+        },
+        "idempotency": idempotency,
+        "evidence": evidence,
+        "result_available": record.result_stored,
+        "events": [
+            {
+                "seq": e.seq,
+                "kind": e.kind.value,
+                "at": _iso((event_times or {}).get(e.seq)),
+                "data": {k: v for k, v in e.data.items() if operator or k not in _INTERNAL},
+            }
+            for e in events
+        ],
+    }

@@ -1,0 +1,345 @@
+"""The journal writer: group commit, one writer task per process, durable before it answers.
+
+Every flow hands its rows to :meth:`Journal.submit` and awaits the returned future. One task
+gathers everything submitted while the previous transaction was in flight into the next
+transaction: one round trip and one fsync for many flows, while each flow still waits for *its
+own* rows to be durable before it goes on (for ``DISPATCH_STARTED``: before any request byte).
+
+The writer also extends this process's audit chain (``writer``, ``writer_seq``, ``prev_hash``,
+``hash`` on every event). A batch that fails leaves the chain as it was before the batch; an
+ambiguous failure (the commit may or may not have landed) starts a fresh chain under a new writer
+name so that two rows can never claim the same place in one chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import and_, bindparam, event, insert, update
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from .schema import events, invocations, results
+
+log = logging.getLogger("affidavit.journal")
+
+GENESIS = "0" * 64
+
+
+class JournalUnavailable(Exception):
+    """The journal could not make the rows durable (database down, read-only, too slow)."""
+
+
+class LeaseLost(Exception):
+    """A fenced write: the invocation's generation or lease moved on; nothing was written."""
+
+
+@dataclass(slots=True)
+class EventRow:
+    invocation_id: str
+    seq: int
+    kind: str
+    at: datetime
+    payload: bytes
+    key_id: str | None = None
+
+
+@dataclass(slots=True)
+class Fence:
+    """Write only if the invocation is still at ``generation`` and leased to ``owner``."""
+
+    invocation_id: str
+    generation: int
+    owner: str
+    now: datetime
+
+
+@dataclass(slots=True)
+class Write:
+    """Rows that become durable together, or not at all."""
+
+    events: list[EventRow] = field(default_factory=list)
+    insert_invocation: dict[str, Any] | None = None
+    update_invocation: dict[str, Any] | None = None
+    result: dict[str, Any] | None = None
+    fence: Fence | None = None
+    #: An earlier write of the same invocation; if it failed, this one is not attempted, so a
+    #: record never has a gap (later events without the earlier ones).
+    after: asyncio.Future[None] | None = None
+    future: asyncio.Future[None] | None = None
+
+
+def canonical_event_bytes(row: dict[str, Any]) -> bytes:
+    """The bytes an event's hash covers: every stored column but the hash itself.
+
+    ``audit verify`` recomputes this from the stored row, without any key.
+    """
+    at = row["at"]
+    fields = [
+        row["invocation_id"],
+        int(row["seq"]),
+        row["kind"],
+        at.isoformat(timespec="microseconds") if isinstance(at, datetime) else str(at),
+        row["writer"],
+        int(row["writer_seq"]),
+        row["prev_hash"],
+        row["key_id"],
+        base64.b64encode(bytes(row["payload"])).decode("ascii"),
+    ]
+    return json.dumps(fields, separators=(",", ":")).encode()
+
+
+def chain_hash(row: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical_event_bytes(row)).hexdigest()
+
+
+def make_engine(url: str, pool_size: int = 10, timeout: float = 5.0) -> AsyncEngine:
+    """An async engine with the settings durability and fail-fast behaviour depend on."""
+    if url.startswith("sqlite"):
+        engine = create_async_engine(url, connect_args={"timeout": timeout})
+
+        @event.listens_for(engine.sync_engine, "connect")
+        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+            # WAL lets readers run beside the writer; FULL makes each commit durable.
+            dbapi_conn.isolation_level = None
+            cursor = dbapi_conn.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=FULL")
+            cursor.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
+            cursor.close()
+
+        @event.listens_for(engine.sync_engine, "begin")
+        def _begin(conn: Any) -> None:
+            # Take the write lock up front so concurrent broker processes queue, not deadlock.
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    return create_async_engine(
+        url,
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_pre_ping=True,
+        pool_timeout=timeout,
+        connect_args={"timeout": timeout, "command_timeout": timeout},
+    )
+
+
+_PROJECTION_COLUMNS = (
+    "updated_at",
+    "stage",
+    "phase",
+    "outcome",
+    "retry",
+    "code",
+    "caller_disposition",
+    "dispatch_started",
+    "dispatch_seq",
+    "status",
+    "last_seq",
+    "attempts_used",
+    "credential_id",
+    "credential_version",
+    "injection",
+)
+
+_update_projection = (
+    update(invocations)
+    .where(invocations.c.invocation_id == bindparam("b_invocation_id"))
+    .values({name: bindparam(name) for name in _PROJECTION_COLUMNS})
+)
+
+
+class Journal:
+    """Group-commit writer for one broker process (one audit chain per writer name)."""
+
+    def __init__(self, engine: AsyncEngine, writer: str, *, timeout: float = 5.0, max_batch: int = 512):
+        self.engine = engine
+        self.writer_base = writer
+        self.timeout = timeout
+        self.max_batch = max_batch
+        self._queue: asyncio.Queue[Write] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self._conn: AsyncConnection | None = None
+        self._generation = 0
+        self.writer = writer
+        self._writer_seq = 0
+        self._prev_hash = GENESIS
+        self.batches = 0
+        self.errors = 0
+        self.healthy = True
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="affidavit journal writer")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            await self.flush()
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        await self._drop_connection()
+
+    def submit(self, write: Write) -> asyncio.Future[None]:
+        """Queue rows for the next transaction; the future resolves once they are durable."""
+        write.future = asyncio.get_running_loop().create_future()
+        if self._task is None:
+            write.future.set_exception(JournalUnavailable("the journal writer is not running"))
+        else:
+            self._queue.put_nowait(write)
+        return write.future
+
+    async def commit(self, write: Write) -> None:
+        await self.submit(write)
+
+    async def flush(self) -> None:
+        """Wait until everything submitted so far has been attempted."""
+        if self._task is None:
+            return
+        marker = self.submit(Write())
+        try:
+            await marker
+        except JournalUnavailable:
+            pass
+
+    async def _run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < self.max_batch and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            await self._write_batch(batch)
+
+    async def _connection(self) -> AsyncConnection:
+        if self._conn is None or self._conn.closed or self._conn.invalidated:
+            self._conn = await asyncio.wait_for(self.engine.connect(), self.timeout)
+        return self._conn
+
+    async def _drop_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                await asyncio.wait_for(conn.invalidate(), 1.0)
+            except Exception:  # the connection is already gone; nothing to release
+                pass
+
+    def _rotate_chain(self) -> None:
+        """After an ambiguous failure, continue on a new chain; the old one simply ends."""
+        self._generation += 1
+        self.writer = f"{self.writer_base}.{self._generation}"
+        self._writer_seq = 0
+        self._prev_hash = GENESIS
+
+    async def _write_batch(self, batch: list[Write]) -> None:
+        for w in batch:
+            if w.after is not None and w.after.done() and (w.after.cancelled() or w.after.exception()):
+                if w.future is not None and not w.future.done():
+                    w.future.set_exception(JournalUnavailable("an earlier write of this invocation failed"))
+        live = [w for w in batch if w.future is not None and not w.future.done()]
+        if not any(w.events or w.insert_invocation or w.update_invocation or w.result or w.fence for w in live):
+            for w in live:
+                w.future.set_result(None)  # type: ignore[union-attr]
+            return
+        try:
+            fenced_out = await asyncio.wait_for(self._transaction(live), self.timeout)
+        except (SQLAlchemyError, DBAPIError, OSError, asyncio.TimeoutError, ConnectionError) as exc:
+            self.errors += 1
+            self.healthy = False
+            await self._drop_connection()
+            self._rotate_chain()
+            log.warning("journal write failed; %d write(s) not recorded: %s", len(live), _brief(exc))
+            error = JournalUnavailable(_brief(exc))
+            for w in live:
+                if not w.future.done():  # type: ignore[union-attr]
+                    w.future.set_exception(error)  # type: ignore[union-attr]
+            return
+        self.healthy = True
+        self.batches += 1
+        for w in live:
+            if w.future.done():  # type: ignore[union-attr]
+                continue
+            if w in fenced_out:
+                w.future.set_exception(LeaseLost(w.fence.invocation_id if w.fence else ""))  # type: ignore[union-attr]
+            else:
+                w.future.set_result(None)  # type: ignore[union-attr]
+
+    async def _transaction(self, batch: list[Write]) -> list[Write]:
+        conn = await self._connection()
+        writer_seq, prev_hash = self._writer_seq, self._prev_hash
+        fenced_out: list[Write] = []
+        async with conn.begin():
+            for w in batch:
+                if w.fence is not None and not await self._holds(conn, w.fence):
+                    fenced_out.append(w)
+            kept = [w for w in batch if w not in fenced_out]
+            inserts = [w.insert_invocation for w in kept if w.insert_invocation]
+            event_rows: list[dict[str, Any]] = []
+            for w in kept:
+                for e in w.events:
+                    writer_seq += 1
+                    row = {
+                        "invocation_id": e.invocation_id,
+                        "seq": e.seq,
+                        "kind": e.kind,
+                        "at": e.at,
+                        "writer": self.writer,
+                        "writer_seq": writer_seq,
+                        "prev_hash": prev_hash,
+                        "key_id": e.key_id,
+                        "payload": e.payload,
+                    }
+                    row["hash"] = prev_hash = chain_hash(row)
+                    event_rows.append(row)
+            updates = [w.update_invocation for w in kept if w.update_invocation]
+            stored = [w.result for w in kept if w.result]
+            if inserts:
+                await conn.execute(insert(invocations), inserts)
+            if event_rows:
+                await conn.execute(insert(events), event_rows)
+            if updates:
+                await conn.execute(_update_projection, updates)
+            if stored:
+                await conn.execute(insert(results), stored)
+        self._writer_seq, self._prev_hash = writer_seq, prev_hash
+        return fenced_out
+
+    @staticmethod
+    async def _holds(conn: AsyncConnection, fence: Fence) -> bool:
+        """The fencing check, in the same transaction as the rows it guards."""
+        c = invocations.c
+        result = await conn.execute(
+            update(invocations)
+            .where(
+                and_(
+                    c.invocation_id == fence.invocation_id,
+                    c.generation == fence.generation,
+                    c.owner == fence.owner,
+                    c.lease_expires_at > fence.now,
+                )
+            )
+            .values(updated_at=fence.now)
+        )
+        return result.rowcount == 1
+
+
+def projection_row(invocation_id: str, values: dict[str, Any]) -> dict[str, Any]:
+    """Parameters for the projection update: every projection column, always (executemany)."""
+    row = {name: values[name] for name in _PROJECTION_COLUMNS}
+    row["b_invocation_id"] = invocation_id
+    return row
+
+
+def _brief(exc: BaseException) -> str:
+    """One line for operators; driver exception names stay in logs, never in envelopes."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return "the database did not answer in time"
+    text = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]

@@ -1,0 +1,56 @@
+"""Schema upgrades through the one Alembic history in ``migrations/``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+
+
+def migrations_dir() -> Path:
+    """The history ships inside the wheel as ``proxy/_migrations``; a checkout uses ``migrations/``."""
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "_migrations", package.parent / "migrations"):
+        if (candidate / "env.py").is_file():
+            return candidate
+    raise FileNotFoundError("the migrations directory is missing from this installation")
+
+
+def _config(url: str) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(migrations_dir()))
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return config
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Bring the database at ``url`` to ``revision``. Synchronous: call it outside the event loop."""
+    command.upgrade(_config(url), revision)
+
+
+def current(url: str) -> str | None:
+    """The revision the database is at, or None for an empty database."""
+    import asyncio
+
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    async def read() -> str | None:
+        engine = create_async_engine(url)
+        try:
+            async with engine.connect() as conn:
+                try:
+                    return (await conn.execute(text("SELECT version_num FROM alembic_version"))).scalar()
+                except Exception:
+                    return None
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(read())
+
+
+def head() -> str:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(_config("sqlite://")).get_current_head() or ""
