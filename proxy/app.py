@@ -72,17 +72,28 @@ def prepare_database(settings: Settings) -> None:
         )
 
 
-def env_lines(settings: Settings, agent: str = "AGENT", token: str = "TOKEN") -> list[str]:
+def env_lines(settings: Settings, agent: str | None = None, token: str | None = None) -> list[str]:
+    """Shell exports for an agent. The token is printed only if given; otherwise the line reads
+    it from the agent's configured source (``${VAR}`` or ``$(cat file)``), so no secret is ever
+    written to a terminal or a log by this command."""
     host, port = parse_listen(settings.proxy.listen)
-    proxy = f"http://{agent}:{token}@{host}:{port}"
+    name, secret = agent or "AGENT", token
+    if secret is None:
+        configured = next((a for a in settings.agents if a.name == agent), None)
+        if configured is None:
+            secret = "TOKEN"
+        else:
+            kind, _, ref = configured.token.partition(":")
+            secret = f"${{{ref}}}" if kind == "env" else f"$(cat {ref})" if kind == "file" else "TOKEN"
+    proxy = f"http://{name}:{secret}@{host}:{port}"
     ca = ca_path(settings)
     return [
-        f"export HTTPS_PROXY={proxy}",
-        f"export HTTP_PROXY={proxy}",
-        f"export SSL_CERT_FILE={ca}",
-        f"export REQUESTS_CA_BUNDLE={ca}",
-        f"export CURL_CA_BUNDLE={ca}",
-        f"export NODE_EXTRA_CA_CERTS={ca}",
+        f'export HTTPS_PROXY="{proxy}"',
+        f'export HTTP_PROXY="{proxy}"',
+        f'export SSL_CERT_FILE="{ca}"',
+        f'export REQUESTS_CA_BUNDLE="{ca}"',
+        f'export CURL_CA_BUNDLE="{ca}"',
+        f'export NODE_EXTRA_CA_CERTS="{ca}"',
         "export NODE_USE_ENV_PROXY=1",
     ]
 
@@ -105,8 +116,13 @@ class _Ready:
         self._on_ready()
 
 
-async def serve(settings: Settings, *, announce: Callable[[str], None] = print) -> None:
-    tokens, operator = resolve_tokens(settings)
+async def serve(
+    settings: Settings,
+    tokens: dict[str, str],
+    operator: str | None,
+    *,
+    announce: Callable[[str], None] = print,
+) -> None:
     owner = f"{socket.gethostname()}:{os.getpid()}:{str(ULID())[-6:]}"
     engine = make_engine(settings.database.url, settings.database.pool_size)
     journal = Journal(engine, writer=owner)
@@ -193,12 +209,13 @@ async def serve(settings: Settings, *, announce: Callable[[str], None] = print) 
 
 
 def banner(settings: Settings) -> str:
+    agent = settings.agents[0].name if settings.agents else None
     lines = [
         f"affidavit: proxy listening on {settings.proxy.listen}, side API on http://{settings.api.listen}",
         f"affidavit: journal {redact_url(settings.database.url)}",
         f"affidavit: CA certificate {ca_path(settings)}",
-        "affidavit: for an agent (replace AGENT:TOKEN with one of [[agents]]):",
-        *(f"  {line}" for line in env_lines(settings)),
+        f"affidavit: for agent '{agent or 'AGENT'}' (`affidavit env --agent NAME` prints these again):",
+        *(f"  {line}" for line in env_lines(settings, agent)),
     ]
     return "\n".join(lines)
 
@@ -210,12 +227,11 @@ def redact_url(url: str) -> str:
 
 
 def run(settings: Settings) -> int:
+    """Check everything that can be checked before touching the database, then serve."""
+    tokens, operator = resolve_tokens(settings)
+    prepare_database(settings)
     try:
-        prepare_database(settings)
-    except ConfigError:
-        raise
-    try:
-        asyncio.run(serve(settings, announce=lambda text: print(text, flush=True)))
+        asyncio.run(serve(settings, tokens, operator, announce=lambda text: print(text, flush=True)))
     except KeyboardInterrupt:
         pass
     except OSError as exc:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .config import ConfigError, Settings, load_settings
+from .config import DEFAULT_CONFIG, ConfigError, Settings, load_settings
 
 app = typer.Typer(
     help="Affidavit: an HTTP(S) forward proxy for AI agents that tells the truth about remote effects.",
@@ -33,10 +33,19 @@ def _settings(config: Path | None) -> Settings:
 
 
 @app.command()
-def run(config: ConfigOption = None) -> None:
+def run(
+    config: ConfigOption = None,
+    example: Annotated[bool, typer.Option("--example", help="Write an example configuration first if none exists.")] = False,
+) -> None:
     """Start the broker: the proxy and the side API."""
     from .app import run as run_broker
 
+    if example:
+        from .example import write_example
+
+        written = write_example(config or DEFAULT_CONFIG)
+        if written:
+            typer.echo(f"affidavit: wrote an example configuration to {config or DEFAULT_CONFIG} (tokens in .affidavit/)")
     settings = _settings(config)
     try:
         code = run_broker(settings)
@@ -49,13 +58,17 @@ def run(config: ConfigOption = None) -> None:
 @app.command()
 def env(
     config: ConfigOption = None,
-    agent: Annotated[str, typer.Option(help="Agent name to put in the proxy URL.")] = "AGENT",
-    token: Annotated[str, typer.Option(help="Token to put in the proxy URL (placeholder by default).")] = "TOKEN",
+    agent: Annotated[Optional[str], typer.Option(help="Agent name for the proxy URL (default: the first agent).")] = None,
+    token: Annotated[
+        Optional[str], typer.Option(help="Token to print literally (default: read from the agent's configured source).")
+    ] = None,
 ) -> None:
     """Print the exports an agent needs (proxy URL and the broker's CA for curl, Python, Node)."""
     from .app import env_lines
 
     settings = _settings(config)
+    if agent is None and settings.agents:
+        agent = settings.agents[0].name
     for line in env_lines(settings, agent, token):
         typer.echo(line)
 

@@ -423,8 +423,15 @@ async def _read_body(response: aiohttp.ClientResponse, limit: int) -> bytes:
 
 
 def _peer_certificate(response: aiohttp.ClientResponse) -> str | None:
+    """The verified peer's certificate, bound to the record.
+
+    A small response is complete (and its connection back in the pool) by the time the request
+    returns, so ``response.connection`` is often None; the protocol object stays attached to the
+    transport. Relying on ``_protocol`` is pinned by the end-to-end TLS tests.
+    """
     connection = response.connection
-    transport = connection.transport if connection is not None else None
+    protocol = connection.protocol if connection is not None else getattr(response, "_protocol", None)
+    transport = getattr(protocol, "transport", None)
     ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
     if ssl_object is None:
         return None

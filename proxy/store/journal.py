@@ -19,7 +19,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import and_, bindparam, event, insert, update
@@ -81,12 +81,11 @@ def canonical_event_bytes(row: dict[str, Any]) -> bytes:
 
     ``audit verify`` recomputes this from the stored row, without any key.
     """
-    at = row["at"]
     fields = [
         row["invocation_id"],
         int(row["seq"]),
         row["kind"],
-        at.isoformat(timespec="microseconds") if isinstance(at, datetime) else str(at),
+        canonical_time(row["at"]),
         row["writer"],
         int(row["writer_seq"]),
         row["prev_hash"],
@@ -94,6 +93,15 @@ def canonical_event_bytes(row: dict[str, Any]) -> bytes:
         base64.b64encode(bytes(row["payload"])).decode("ascii"),
     ]
     return json.dumps(fields, separators=(",", ":")).encode()
+
+
+def canonical_time(at: datetime | str) -> str:
+    """UTC with microseconds and a ``Z``, whatever the dialect hands back (SQLite drops the zone)."""
+    if isinstance(at, str):
+        at = datetime.fromisoformat(at)
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=UTC)
+    return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def chain_hash(row: dict[str, Any]) -> str:

@@ -1,0 +1,172 @@
+"""Shared fixtures: test PKI, the hostile upstream, databases on both dialects, real brokers.
+
+PostgreSQL is the machine's server (or ``AFFIDAVIT_TEST_DATABASE_URL``), one fresh database per
+broker. With ``CI=true`` a missing PostgreSQL fails the run instead of skipping.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from tests.support.broker import Agent, BrokerProcess, free_port
+from tests.support.canaries import CANARIES
+from tests.support.certs import TestPKI
+from tests.support.hostile import HostileUpstream
+from tests.support.pg import drop_stale_test_databases, fresh_database, require_postgres, server_available, server_url
+
+DIALECTS = ["sqlite", "postgresql"]
+
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> TestPKI:
+    return TestPKI(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="session")
+def upstream_server(pki: TestPKI) -> Iterator[HostileUpstream]:
+    with HostileUpstream(pki) as server:
+        yield server
+
+
+@pytest.fixture
+def upstream(upstream_server: HostileUpstream) -> Iterator[HostileUpstream]:
+    upstream_server.reset()
+    yield upstream_server
+    assert not upstream_server.errors, upstream_server.errors
+
+
+@pytest.fixture(scope="session")
+def pg_admin_url() -> str:
+    url = require_postgres(server_url())
+    drop_stale_test_databases(url)
+    return url
+
+
+def database_url(dialect: str, workdir: Path, request: pytest.FixtureRequest) -> str:
+    """A fresh, empty database of ``dialect`` that is dropped when the test (or module) ends."""
+    if dialect == "sqlite":
+        return f"sqlite+aiosqlite:///{workdir / 'journal.db'}"
+    admin = request.getfixturevalue("pg_admin_url")
+    url, drop = fresh_database(admin)
+    request.addfinalizer(drop)
+    return url
+
+
+def standard_routes(up: HostileUpstream) -> list[dict[str, Any]]:
+    good = f"127.0.0.1:{up.tls_port('good')}"
+    return [
+        {
+            "name": "payments.create",
+            "host": "api.payments.test",
+            "port": 443,
+            "methods": ["GET", "POST", "PUT", "DELETE"],
+            "path": "/*",
+            "agents": ["builder"],
+            "credential": "payments-key",
+            "inject": {"header": "Authorization", "value": "Bearer {secret}"},
+            "max_body": "64KiB",
+            "connect_to": good,
+        },
+        {
+            "name": "basic",
+            "host": "basic.example.test",
+            "port": 443,
+            "methods": ["GET", "POST"],
+            "agents": ["builder"],
+            "credential": "basic-key",
+            "inject": {"basic": "svc"},
+            "connect_to": good,
+        },
+        {
+            "name": "plain",
+            "host": "plain.example.test",
+            "port": 80,
+            "scheme": "http",
+            "methods": ["GET", "POST"],
+            "agents": ["builder"],
+            "credential": "payments-key",
+            "inject": {"header": "X-Api-Key", "value": "{secret}"},
+            "connect_to": f"127.0.0.1:{up.http_port}",
+        },
+        {
+            "name": "review",
+            "host": "review.example.test",
+            "port": 443,
+            "methods": ["GET"],
+            "agents": ["reviewer"],
+            "connect_to": good,
+        },
+    ]
+
+
+def make_config(workdir: Path, db_url: str, pki: TestPKI, routes: list[dict[str, Any]], **sections: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "proxy": {"listen": f"127.0.0.1:{free_port()}", "confdir": str(workdir / "conf")},
+        "api": {"listen": f"127.0.0.1:{free_port()}", "operator_token": "env:AFFIDAVIT_TEST_OPERATOR"},
+        "database": {"url": db_url},
+        "upstream": {"ca_bundle": pki.ca_cert, "connect_timeout": "3s", "response_timeout": "10s", "result_horizon": "30s"},
+        "agents": [
+            {"name": "builder", "token": "env:BUILDER_TOKEN"},
+            {"name": "reviewer", "token": "env:REVIEWER_TOKEN"},
+        ],
+        "secrets": [
+            {"name": "payments-key", "from": "env:PAYMENTS_KEY"},
+            {"name": "basic-key", "from": "env:BASIC_KEY"},
+        ],
+        "routes": routes,
+    }
+    for section, values in sections.items():
+        config.setdefault(section, {}).update(values)
+    return config
+
+
+BrokerFactory = Callable[..., BrokerProcess]
+
+
+@pytest.fixture
+def make_broker(tmp_path: Path, pki: TestPKI, upstream: HostileUpstream, request: pytest.FixtureRequest) -> Iterator[BrokerFactory]:
+    """Start a broker on the given dialect; every broker is stopped when the test ends."""
+    started: list[BrokerProcess] = []
+
+    def factory(dialect: str = "sqlite", routes: list[dict[str, Any]] | None = None, start: bool = True, **sections: Any) -> BrokerProcess:
+        workdir = tmp_path / f"broker{len(started)}"
+        workdir.mkdir()
+        broker = new_broker(workdir, database_url(dialect, workdir, request), pki, routes or standard_routes(upstream), **sections)
+        started.append(broker)
+        return broker.start() if start else broker
+
+    yield factory
+    for broker in started:
+        broker.stop()
+
+
+def new_broker(workdir: Path, db_url: str, pki: TestPKI, routes: list[dict[str, Any]], **sections: Any) -> BrokerProcess:
+    agents = {"builder": Agent("builder", secrets.token_hex(8)), "reviewer": Agent("reviewer", secrets.token_hex(8))}
+    operator = secrets.token_hex(8)
+    env = {
+        "BUILDER_TOKEN": agents["builder"].token,
+        "REVIEWER_TOKEN": agents["reviewer"].token,
+        "AFFIDAVIT_TEST_OPERATOR": operator,
+        **CANARIES,
+    }
+    return BrokerProcess(workdir, make_config(workdir, db_url, pki, routes, **sections), env, agents, operator)
+
+
+@pytest.fixture(scope="module", params=DIALECTS)
+def broker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, pki: TestPKI, upstream_server: HostileUpstream) -> Iterator[BrokerProcess]:
+    """One broker per module and dialect, with the standard routes."""
+    workdir = tmp_path_factory.mktemp(f"broker-{request.param}")
+    process = new_broker(workdir, database_url(request.param, workdir, request), pki, standard_routes(upstream_server))
+    process.start()
+    yield process
+    process.stop()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    url = server_url()
+    return f"affidavit: PostgreSQL for tests at {url.split('@')[-1]} ({'up' if server_available(url) else 'DOWN'})"

@@ -1,0 +1,192 @@
+"""A real broker process for end-to-end tests, started exactly as a user starts it.
+
+The test writes an ``affidavit.toml``, exports the token and secret variables, and runs the
+installed ``affidavit`` command (``affidavit db upgrade`` first for PostgreSQL, as the docs say).
+Everything the process prints goes to a log file the canary tests grep.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import tomli_w
+
+AFFIDAVIT = str(Path(sys.executable).with_name("affidavit"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Agent:
+    name: str
+    token: str
+
+    @property
+    def basic(self) -> str:
+        return "Basic " + base64.b64encode(f"{self.name}:{self.token}".encode()).decode()
+
+
+@dataclass
+class BrokerProcess:
+    workdir: Path
+    config: dict[str, Any]
+    env: dict[str, str]
+    agents: dict[str, Agent]
+    operator_token: str
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path = field(init=False)
+    starts: int = 0
+
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path = self.workdir / "affidavit.toml"
+        self.log_path = self.workdir / "broker.log"
+        self.config_path.write_text(tomli_w.dumps(self.config))
+
+    # -- addresses ---------------------------------------------------------------------
+
+    @property
+    def proxy_port(self) -> int:
+        return int(self.config["proxy"]["listen"].rsplit(":", 1)[1])
+
+    @property
+    def api_url(self) -> str:
+        return "http://" + self.config["api"]["listen"]
+
+    @property
+    def ca_path(self) -> Path:
+        return Path(self.config["proxy"]["confdir"]) / "mitmproxy-ca-cert.pem"
+
+    @property
+    def database_url(self) -> str:
+        return self.config["database"]["url"]
+
+    def proxy_url(self, agent: str = "builder", token: str | None = None) -> str:
+        token = token if token is not None else self.agents[agent].token
+        return f"http://{agent}:{token}@127.0.0.1:{self.proxy_port}"
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AFFIDAVIT_") and "PROXY" not in k.upper()}
+        env.update(self.env)
+        return env
+
+    def command(self, *args: str, input: bytes | None = None, timeout: float = 60) -> subprocess.CompletedProcess[bytes]:
+        """Run an ``affidavit`` subcommand against this broker's configuration."""
+        return subprocess.run(
+            [AFFIDAVIT, *args, "--config", str(self.config_path)],
+            cwd=self.workdir,
+            env=self._env(),
+            input=input,
+            capture_output=True,
+            timeout=timeout,
+        )
+
+    def start(self, timeout: float = 30.0) -> "BrokerProcess":
+        if self.database_url.startswith("postgresql") and self.starts == 0:
+            done = self.command("db", "upgrade")
+            assert done.returncode == 0, done.stderr.decode()
+        self.starts += 1
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [AFFIDAVIT, "run", "--config", str(self.config_path)],
+            cwd=self.workdir,
+            env=self._env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the broker exited with {self.proc.returncode}:\n{self.logs()[-3000:]}")
+            if "proxy listening on" in self.logs():
+                try:
+                    if httpx.get(self.api_url + "/readyz", timeout=1).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"the broker did not become ready in {timeout}s:\n{self.logs()[-3000:]}")
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        code = self.proc.returncode
+        self.proc = None
+        return code
+
+    def kill(self) -> None:
+        """``kill -9``: no clean-up, no flush; what is durable is all that survives."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+        self.proc = None
+
+    def logs(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    # -- clients -----------------------------------------------------------------------
+
+    def client(self, agent: str = "builder", token: str | None = None, **kwargs: Any) -> httpx.Client:
+        """An httpx client that goes through the broker and trusts its CA."""
+        return httpx.Client(proxy=self.proxy_url(agent, token), verify=str(self.ca_path), timeout=kwargs.pop("timeout", 20), **kwargs)
+
+    def api(self, token: str | None = None) -> httpx.Client:
+        token = token if token is not None else self.agents["builder"].token
+        return httpx.Client(base_url=self.api_url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+
+    def operator(self) -> httpx.Client:
+        return self.api(self.operator_token)
+
+    def invocation(self, invocation_id: str, token: str | None = None) -> dict[str, Any]:
+        with self.api(token) as api:
+            response = api.get(f"/v1/invocations/{invocation_id}")
+            assert response.status_code == 200, response.text
+            return response.json()
+
+    def wait_for(self, invocation_id: str, predicate: Any, timeout: float = 10.0) -> dict[str, Any]:
+        """Poll the side API until the record satisfies ``predicate`` (bounded)."""
+        deadline = time.monotonic() + timeout
+        record: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            record = self.invocation(invocation_id, self.operator_token)
+            if predicate(record):
+                return record
+            time.sleep(0.05)
+        raise AssertionError(f"record did not reach the expected state in {timeout}s: {record}")
+
+    def curl(self, url: str, *args: str, agent: str = "builder", token: str | None = None, timeout: float = 20) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            ["curl", "-sS", "-i", "--max-time", str(timeout), "-x", self.proxy_url(agent, token), "--cacert", str(self.ca_path), *args, url],
+            capture_output=True,
+            timeout=timeout + 5,
+            env={k: v for k, v in os.environ.items() if "PROXY" not in k.upper()},
+        )

@@ -1,0 +1,275 @@
+"""End to end: a real broker process, real clients (curl, httpx, requests), a real TLS upstream.
+
+Runs once per journal dialect (SQLite and PostgreSQL) through the module-scoped ``broker``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.canaries import CANARIES
+from tests.support.broker import BrokerProcess
+from tests.support.hostile import HostileUpstream
+from tests.support.journal import dispatched_ids, dump_journal
+
+PAYMENTS = "https://api.payments.test"
+EXPECTED_KINDS = [
+    "ACTION_ACCEPTED",
+    "PREFLIGHT_VALIDATED",
+    "CREDENTIAL_AUTHORIZED",
+    "DISPATCH_STARTED",
+    "REQUEST_SENT",
+    "REMOTE_RESPONSE_STARTED",
+    "REMOTE_RESPONSE_COMPLETE",
+    "RESULT_COMMITTED",
+    "RESULT_DELIVERED",
+]
+
+#: Every body and header the broker returned in this module, grepped by the canary test.
+SEEN: list[str] = []
+
+
+def _seen(response: httpx.Response) -> httpx.Response:
+    SEEN.append(response.text)
+    SEEN.append(json.dumps(dict(response.headers)))
+    return response
+
+
+def split_curl(output: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers and body of `curl -i` output (skipping the CONNECT response)."""
+    text = output
+    while True:
+        head, _, rest = text.partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        if head.startswith(b"HTTP/1.1 200 Connection established") or status == 100:
+            text = rest
+            continue
+        break
+    headers = {}
+    for line in head.split(b"\r\n")[1:]:
+        k, _, v = line.decode("latin-1").partition(":")
+        headers[k.strip().lower()] = v.strip()
+    SEEN.append(output.decode("latin-1"))
+    return status, headers, rest
+
+
+def test_curl_https_call_is_injected_recorded_and_replayable(broker: BrokerProcess, upstream: HostileUpstream):
+    done = broker.curl(f"{PAYMENTS}/h/status?code=201&job=job-42", "-X", "POST", "-H", "Content-Type: application/json", "-d", '{"amount":100}')
+    assert done.returncode == 0, done.stderr
+    status, headers, body = split_curl(done.stdout)
+    assert status == 201
+    assert headers["affidavit-outcome"] == "committed"
+    invocation_id = headers["affidavit-invocation-id"]
+    assert invocation_id.startswith("act_")
+    assert json.loads(body) == {"job_id": "job-42", "status": "pending"}
+
+    [seen] = upstream.received
+    assert seen.header("Authorization") == f"Bearer {CANARIES['PAYMENTS_KEY']}"
+    assert seen.header("Proxy-Authorization") is None
+    assert seen.method == "POST" and seen.body == b'{"amount":100}'
+    assert seen.sni == "api.payments.test"
+
+    record = broker.wait_for(invocation_id, lambda r: r["stage"] == "delivered")
+    with broker.api() as api:
+        mine = _seen(api.get(f"/v1/invocations/{invocation_id}")).json()
+    assert mine["phase"] == "result_delivery"
+    assert mine["outcome"] == "committed"
+    assert mine["retry"] == "never"
+    assert mine["next_action"] == "return_recorded_result"
+    assert mine["route"] == "payments.create"
+    assert mine["fingerprint"].startswith("sha256:") and len(mine["fingerprint"]) == 71
+    assert mine["credential"] == {"id": "payments-key", "version": "env", "injection": "header"}
+    assert [e["kind"] for e in mine["events"]] == EXPECTED_KINDS
+    assert [e["seq"] for e in mine["events"]] == list(range(1, len(EXPECTED_KINDS) + 1))
+    assert mine["evidence"]["dispatch_seq"] == 4
+    assert mine["evidence"]["framing"] == "content-length"
+    assert mine["evidence"]["peer_certificate"].startswith("sha256:")
+    assert mine["caller_disposition"] == "completed"
+    assert record["outcome"] == "committed"
+
+    with broker.api() as api:
+        replay = _seen(api.get(f"/v1/invocations/{invocation_id}/result"))
+    assert replay.status_code == 201
+    assert replay.content == body
+    assert replay.headers["content-type"] == "application/json"
+    assert replay.headers["affidavit-replayed"] == "true"
+    assert len(upstream.received) == 1, "fetching a result must never re-execute it"
+
+
+def test_basic_injection_and_plain_http(broker: BrokerProcess, upstream: HostileUpstream):
+    with broker.client() as client:
+        r = _seen(client.get("https://basic.example.test/h/status?code=200"))
+        assert r.status_code == 200 and r.headers["affidavit-outcome"] == "committed"
+        r = _seen(client.post("http://plain.example.test/h/status?code=202", content=b"x"))
+        assert r.status_code == 202
+    basic, plain = upstream.received
+    expected = base64.b64encode(f"svc:{CANARIES['BASIC_KEY']}".encode()).decode()
+    assert basic.header("Authorization") == f"Basic {expected}"
+    assert plain.header("X-Api-Key") == CANARIES["PAYMENTS_KEY"]
+    assert plain.tls is None
+
+
+def test_an_echoed_credential_never_reaches_the_agent(broker: BrokerProcess, upstream: HostileUpstream):
+    with broker.client() as client:
+        r = _seen(client.get(f"{PAYMENTS}/h/ok"))
+    assert r.status_code == 200
+    echoed = dict((k.lower(), v) for k, v in r.json()["headers"])
+    assert echoed["authorization"] == "[REDACTED]"
+    assert CANARIES["PAYMENTS_KEY"] not in r.text
+    assert upstream.received[0].header("Authorization") == f"Bearer {CANARIES['PAYMENTS_KEY']}"
+
+
+def test_affidavit_env_lines_work_for_requests(broker: BrokerProcess, upstream: HostileUpstream):
+    done = broker.command("env", "--agent", "builder", "--token", broker.agents["builder"].token)
+    assert done.returncode == 0, done.stderr
+    env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper()}
+    for line in done.stdout.decode().splitlines():
+        key, _, value = line.removeprefix("export ").partition("=")
+        env[key] = value.strip('"')
+    assert env["SSL_CERT_FILE"] == str(broker.ca_path.resolve())
+    script = "import requests; r = requests.get('https://api.payments.test/h/status?code=200', timeout=20); print(r.status_code, r.headers['Affidavit-Outcome'])"
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=60)
+    assert run.returncode == 0, run.stderr.decode()
+    assert run.stdout.decode().split() == ["200", "committed"]
+    assert upstream.received[0].header("Authorization") == f"Bearer {CANARIES['PAYMENTS_KEY']}"
+
+
+def _raw(port: int, request: bytes) -> bytes:
+    """One request on a raw socket (curl hides the body of a refused CONNECT)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _length(data):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    return data
+
+
+def _length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":", 1)[1])
+    return 1 << 30
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"])
+def test_missing_or_wrong_proxy_token_gets_407_and_nothing_is_sent(broker: BrokerProcess, upstream: HostileUpstream, token):
+    auth = b"" if token is None else b"Proxy-Authorization: Basic " + base64.b64encode(f"builder:{token}".encode()) + b"\r\n"
+    requests_ = [
+        b"CONNECT api.payments.test:443 HTTP/1.1\r\nHost: api.payments.test:443\r\n" + auth + b"\r\n",
+        b"GET http://plain.example.test/h/ok HTTP/1.1\r\nHost: plain.example.test\r\n" + auth + b"\r\n",
+    ]
+    for request in requests_:
+        answer = _raw(broker.proxy_port, request)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 407"), head
+        assert b"proxy-authenticate: basic" in head.lower()
+        envelope = json.loads(body)
+        SEEN.append(json.dumps(envelope))
+        assert envelope["error"]["code"] == "PROXY_AUTH_REQUIRED"
+        assert envelope["error"]["outcome"] == "not_attempted"
+        assert envelope["invocation_id"] is None
+    assert upstream.received == []
+
+
+def _refused(response: httpx.Response, status: int, code: str, phase: str = "validation") -> dict[str, Any]:
+    _seen(response)
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    body = response.json()
+    assert body["error"]["code"] == code
+    assert body["error"]["phase"] == phase
+    assert body["error"]["outcome"] == "not_attempted"
+    assert body["error"]["retry"] == "after_correction"
+    assert body["invocation_id"] == response.headers["affidavit-invocation-id"]
+    assert body["evidence"]["dispatch_started"] is False
+    return body
+
+
+def test_refusals_are_recorded_envelopes_and_send_nothing(broker: BrokerProcess, upstream: HostileUpstream):
+    with broker.client() as client:
+        no_route = _refused(client.get("https://unknown.example.test/x"), 403, "INVALID_TARGET")
+        not_mine = _refused(client.get("https://review.example.test/h/ok"), 403, "INVALID_TARGET")
+        override = _refused(client.get(f"{PAYMENTS}/h/ok", headers={"Authorization": "Bearer mine"}), 403, "FORBIDDEN_HEADER_OVERRIDE")
+        method = _refused(client.request("PATCH", f"{PAYMENTS}/h/ok"), 405, "UNSUPPORTED_ACTION")
+        too_big = _refused(client.post(f"{PAYMENTS}/h/ok", content=b"x" * (64 * 1024 + 1)), 413, "PAYLOAD_LIMIT")
+    assert upstream.received == []
+    for body in (no_route, not_mine, override, method, too_big):
+        record = broker.invocation(body["invocation_id"])
+        assert record["outcome"] == "not_attempted"
+        assert record["code"] == body["error"]["code"]
+        assert [e["kind"] for e in record["events"]][-1] == "FAILED"
+        assert "DISPATCH_STARTED" not in [e["kind"] for e in record["events"]]
+    assert "review.example.test" not in no_route["error"]["message"]
+
+
+def test_side_api_isolates_agents_and_hides_unknown_ids(broker: BrokerProcess, upstream: HostileUpstream):
+    with broker.client() as client:
+        r = _seen(client.get(f"{PAYMENTS}/h/ok"))
+    invocation_id = r.headers["affidavit-invocation-id"]
+    with broker.api(broker.agents["reviewer"].token) as api:
+        other = _seen(api.get(f"/v1/invocations/{invocation_id}"))
+        assert other.status_code == 404
+        assert _seen(api.get(f"/v1/invocations/{invocation_id}/result")).status_code == 404
+    with broker.api() as api:
+        assert _seen(api.get("/v1/invocations/act_00000000000000000000000000")).status_code == 404
+        assert _seen(api.get("/v1/invocations")).status_code == 403
+    with broker.api("not-a-token") as api:
+        assert _seen(api.get(f"/v1/invocations/{invocation_id}")).status_code == 401
+    with broker.operator() as api:
+        assert _seen(api.get(f"/v1/invocations/{invocation_id}")).json()["agent"] == "builder"
+        listing = _seen(api.get("/v1/invocations", params={"route": "payments.create"})).json()
+        assert invocation_id in [item["invocation_id"] for item in listing["items"]]
+        assert _seen(api.get("/openapi.json")).status_code == 200
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_dispatch_started_is_durable_before_the_first_request_byte(make_broker, upstream: HostileUpstream, dialect):
+    broker = make_broker(dialect)
+    probes: list[set[str]] = []
+    upstream.on_first_byte = lambda _conn, _data: probes.append(dispatched_ids(broker.database_url)) or True
+    ids = []
+    with broker.client() as client:
+        for _ in range(3):  # the first on a new connection, the next ones on a reused one
+            r = _seen(client.post(f"{PAYMENTS}/h/status?code=200", content=b"{}"))
+            ids.append(r.headers["affidavit-invocation-id"])
+    assert len(probes) == 3
+    for invocation_id, visible in zip(ids, probes):
+        assert invocation_id in visible, "the upstream saw a request byte before DISPATCH_STARTED was durable"
+    connections = [broker.invocation(i)["evidence"]["attempts"][0]["connection"] for i in ids]
+    assert connections == ["new", "reused", "reused"]
+
+
+def test_no_canary_secret_anywhere(broker: BrokerProcess, upstream: HostileUpstream):
+    """Runs last in the module: everything the broker wrote or said is free of the secrets."""
+    with broker.client() as client:
+        _seen(client.get(f"{PAYMENTS}/h/ok"))
+        _seen(client.get("https://basic.example.test/h/ok"))
+        _seen(client.post(f"{PAYMENTS}/h/short_body", content=b"{}"))
+    assert any(CANARIES["PAYMENTS_KEY"] in (r.header("Authorization") or "") for r in upstream.received)
+    time.sleep(0.3)
+    with broker.operator() as api:
+        listing = api.get("/v1/invocations", params={"limit": 500}).json()
+        SEEN.append(json.dumps(listing))
+        for item in listing["items"]:
+            SEEN.append(api.get(f"/v1/invocations/{item['invocation_id']}").text)
+            SEEN.append(api.get(f"/v1/invocations/{item['invocation_id']}/result").text)
+    haystacks = {"database": dump_journal(broker.database_url), "logs": broker.logs(), "answers": "\n".join(SEEN)}
+    assert len(haystacks["database"]) > 1000 and len(haystacks["answers"]) > 1000
+    for name, value in CANARIES.items():
+        encoded = base64.b64encode(f"svc:{value}".encode()).decode()
+        for where, text in haystacks.items():
+            assert value not in text, f"{name} leaked into {where}"
+            assert encoded not in text, f"{name} (basic-encoded) leaked into {where}"

@@ -1,0 +1,128 @@
+"""Configuration: a bad file names the file, the key and the reason, and nothing starts."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from proxy.config import ConfigError, load_settings, parse_duration
+from tests.support.broker import AFFIDAVIT, free_port
+
+GOOD = """
+[proxy]
+listen = "127.0.0.1:{port}"
+[api]
+listen = "127.0.0.1:{api_port}"
+[database]
+url = "sqlite+aiosqlite:///{db}"
+[[agents]]
+name = "builder"
+token = "env:BUILDER_TOKEN"
+[[secrets]]
+name = "payments-key"
+from = "env:PAYMENTS_KEY"
+[[routes]]
+name = "payments.create"
+host = "api.payments.test"
+methods = ["post"]
+path = "/v1/charges*"
+agents = ["builder"]
+credential = "payments-key"
+inject = {{ header = "Authorization", value = "Bearer {{secret}}" }}
+idempotency = {{ header = "Idempotency-Key", scope = "payments.create", retention = "24h" }}
+max_body = "1MiB"
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "affidavit.toml"
+    path.write_text(text)
+    return path
+
+
+def good(tmp_path: Path, **extra: str) -> str:
+    return GOOD.format(port=free_port(), api_port=free_port(), db=tmp_path / "j.db", **extra)
+
+
+def test_a_good_file_loads_with_typed_values(tmp_path):
+    settings = load_settings(write(tmp_path, good(tmp_path)))
+    route = settings.routes[0]
+    assert route.methods == ["POST"]
+    assert route.port == 443 and route.effective_scheme == "https"
+    assert route.idempotency.retention == 24 * 3600
+    assert int(route.max_body) == 1024 * 1024
+    assert route.inject.method == "header"
+    assert route.matches_target("https", "API.payments.test", 443)
+    assert not route.matches_target("http", "api.payments.test", 443)
+    assert route.matches_path("/v1/charges/ch_1") and not route.matches_path("/v1/refunds")
+
+
+def test_the_environment_overrides_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("AFFIDAVIT_PROXY__LISTEN", "127.0.0.1:9999")
+    monkeypatch.setenv("AFFIDAVIT_UPSTREAM__RESPONSE_TIMEOUT", "90s")
+    settings = load_settings(write(tmp_path, good(tmp_path)))
+    assert settings.proxy.listen == "127.0.0.1:9999"
+    assert settings.upstream.response_timeout == 90.0
+
+
+@pytest.mark.parametrize(
+    ("mutation", "key", "reason"),
+    [
+        (('port = 443', ''), "routes[0].agents", "no agent named 'nobody'"),
+        (('name = "payments.create"\nhost = "api.payments.test"', 'name = "payments.create"\nhost = "api.payments.test"\nport = "https"'), "routes[0].port", "valid integer"),
+        (('token = "env:BUILDER_TOKEN"', 'token = "hunter2"'), "agents[0].token", "never the value itself"),
+        (('retention = "24h"', 'retention = "soon"'), "routes[0].idempotency.retention", "not a duration"),
+        (('listen = "127.0.0.1:{port}"', 'listen = "localhost"'), "proxy.listen", "host:port"),
+        (('value = "Bearer {{secret}}"', 'value = "Bearer"'), "routes[0].inject", "must contain '{secret}'"),
+        (('[[routes]]', '[[routes]]\nbogus = 1'), "routes[0].bogus", "Extra inputs are not permitted"),
+    ],
+)
+def test_a_bad_value_names_file_key_and_reason(tmp_path, mutation, key, reason):
+    text = GOOD.replace(*mutation) if mutation[0] != 'port = 443' else GOOD.replace('agents = ["builder"]', 'agents = ["nobody"]')
+    path = write(tmp_path, text.format(port=free_port(), api_port=free_port(), db=tmp_path / "j.db"))
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path)
+    message = str(caught.value)
+    assert str(path) in message
+    assert key in message
+    assert reason in message
+
+
+def test_broken_toml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"affidavit.toml: not valid TOML: .*line 2"):
+        load_settings(write(tmp_path, "[proxy]\nlisten = \n"))
+    with pytest.raises(ConfigError, match="no such configuration file"):
+        load_settings(tmp_path / "missing.toml")
+
+
+def test_durations():
+    assert parse_duration("250ms") == 0.25 and parse_duration("5m") == 300 and parse_duration(7) == 7
+    with pytest.raises(ValueError):
+        parse_duration("-1s")
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_affidavit_run_refuses_a_bad_config_and_listens_on_nothing(tmp_path):
+    port, api_port = free_port(), free_port()
+    text = GOOD.replace('agents = ["builder"]', 'agents = ["nobody"]').format(port=port, api_port=api_port, db=tmp_path / "j.db")
+    path = write(tmp_path, text)
+    done = subprocess.run([AFFIDAVIT, "run", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2
+    assert str(path) in done.stderr and "routes[0].agents" in done.stderr and "nothing was started" in done.stderr
+    assert not _listening(port) and not _listening(api_port)
+    assert not (tmp_path / "j.db").exists()
+
+
+def test_affidavit_run_refuses_a_missing_token(tmp_path):
+    path = write(tmp_path, good(tmp_path))
+    env = {"PATH": "/usr/bin:/bin", "PAYMENTS_KEY": "x"}
+    done = subprocess.run([AFFIDAVIT, "run", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 2
+    assert "agents[0].token: environment variable BUILDER_TOKEN is not set" in done.stderr

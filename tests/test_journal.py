@@ -1,0 +1,207 @@
+"""The journal on both dialects: group commit, the audit chain, append-only, the projection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select, text
+
+from proxy.contract import EventKind, Phase, project
+from proxy.invocation_log import Identity, InvocationLog, new_invocation_id
+from proxy.store import migrate, queries
+from proxy.store.journal import GENESIS, Journal, JournalUnavailable, chain_hash, make_engine
+from proxy.store.schema import events, invocations
+from tests.conftest import DIALECTS, database_url
+from tests.support.hostile import free_port
+
+
+@pytest.fixture(params=DIALECTS)
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    url = database_url(request.param, tmp_path, request)
+    migrate.upgrade(url)
+    return url
+
+
+def identity(**overrides) -> Identity:
+    values = dict(
+        invocation_id=new_invocation_id(),
+        agent="builder",
+        route="payments.create",
+        method="POST",
+        target="https://api.payments.test:443/v1/charges",
+        fingerprint="sha256:" + "0" * 64,
+        idempotent=False,
+    )
+    values.update(overrides)
+    return Identity(**values)
+
+
+async def _full_history(journal: Journal, owner: str = "test") -> InvocationLog:
+    entry = InvocationLog(journal, identity(), owner)
+    entry.append(EventKind.ACTION_ACCEPTED, agent="builder")
+    entry.append(EventKind.PREFLIGHT_VALIDATED, route="payments.create")
+    entry.submit_quietly()
+    entry.append(EventKind.CREDENTIAL_AUTHORIZED, credential_id="payments-key")
+    entry.append(EventKind.DISPATCH_STARTED, attempt=1, connection="new")
+    await entry.commit()
+    entry.append(EventKind.REQUEST_SENT)
+    entry.append(EventKind.REMOTE_RESPONSE_COMPLETE, status=201, framing="content-length")
+    entry.append(EventKind.RESULT_COMMITTED)
+    await entry.commit(
+        result={
+            "invocation_id": entry.invocation_id,
+            "stored_at": entry._created_at,
+            "status": 201,
+            "headers": "[]",
+            "body": b"{}",
+            "body_sha256": "x",
+            "framing": "content-length",
+            "key_id": None,
+        }
+    )
+    entry.append(EventKind.RESULT_DELIVERED, channel="proxy")
+    await entry.commit()
+    return entry
+
+
+def test_group_commit_makes_every_write_durable_in_few_transactions(db):
+    async def scenario():
+        engine = make_engine(db)
+        journal = Journal(engine, writer="w1")
+        await journal.start()
+        entries = await asyncio.gather(*(_full_history(journal) for _ in range(100)))
+        batches = journal.batches
+        await journal.close()
+        async with engine.connect() as conn:
+            count = (await conn.execute(text("SELECT count(*) FROM events"))).scalar()
+            rows = (await conn.execute(select(invocations))).mappings().all()
+        await engine.dispose()
+        return entries, batches, count, rows
+
+    entries, batches, count, rows = asyncio.run(scenario())
+    assert count == 100 * 8
+    assert len(rows) == 100
+    # 100 flows x 4 commits, gathered into far fewer transactions.
+    assert batches < 300, batches
+    for row in rows:
+        assert row["stage"] == "delivered" and row["outcome"] == "committed" and row["last_seq"] == 8
+        assert row["dispatch_seq"] == 4
+
+
+def test_the_projection_row_is_the_fold_of_the_stored_events(db):
+    async def scenario():
+        engine = make_engine(db)
+        journal = Journal(engine, writer="w1")
+        await journal.start()
+        entry = await _full_history(journal)
+        await journal.close()
+        row = await queries.invocation(engine, entry.invocation_id)
+        stored = queries.decode_events(await queries.event_rows(engine, entry.invocation_id))
+        await engine.dispose()
+        return row, stored
+
+    row, stored = asyncio.run(scenario())
+    record = project(stored)
+    assert row["stage"] == record.stage.value
+    assert row["outcome"] == record.outcome.value
+    assert row["phase"] == record.phase.value
+    assert row["dispatch_seq"] == record.dispatch_seq
+    assert row["last_seq"] == record.last_seq == len(stored)
+
+
+def test_each_writer_keeps_an_unbroken_hash_chain(db):
+    async def scenario():
+        engine = make_engine(db)
+        for writer in ("w1", "w2"):
+            journal = Journal(engine, writer=writer)
+            await journal.start()
+            await asyncio.gather(*(_full_history(journal) for _ in range(10)))
+            await journal.close()
+        async with engine.connect() as conn:
+            rows = (await conn.execute(select(events).order_by(events.c.writer, events.c.writer_seq))).mappings().all()
+        await engine.dispose()
+        return [dict(r) for r in rows]
+
+    rows = asyncio.run(scenario())
+    by_writer: dict[str, list[dict]] = {}
+    for row in rows:
+        by_writer.setdefault(row["writer"], []).append(row)
+    assert set(by_writer) == {"w1", "w2"}
+    for chain in by_writer.values():
+        previous = GENESIS
+        for n, row in enumerate(chain, 1):
+            assert row["writer_seq"] == n
+            assert row["prev_hash"] == previous
+            assert row["hash"] == chain_hash(row), "the stored hash must cover the stored bytes"
+            previous = row["hash"]
+
+
+@pytest.mark.parametrize("statement", ["UPDATE events SET kind = 'RECONCILED'", "DELETE FROM events", "UPDATE results SET status = 200", "DELETE FROM results"])
+def test_events_and_results_are_append_only_in_the_database(db, statement):
+    async def scenario():
+        engine = make_engine(db)
+        journal = Journal(engine, writer="w1")
+        await journal.start()
+        await _full_history(journal)
+        await journal.close()
+        refused = False
+        try:
+            async with engine.begin() as conn:
+                await conn.execute(text(statement))
+        except Exception as exc:  # the trigger's error, whatever the driver calls it
+            refused = "append-only" in str(exc)
+        async with engine.connect() as conn:
+            kinds = [r[0] for r in await conn.execute(text("SELECT kind FROM events ORDER BY seq"))]
+            statuses = [r[0] for r in await conn.execute(text("SELECT status FROM results"))]
+        await engine.dispose()
+        return refused, kinds, statuses
+
+    refused, kinds, statuses = asyncio.run(scenario())
+    assert refused
+    assert kinds[0] == "ACTION_ACCEPTED" and len(kinds) == 8 and "RECONCILED" not in kinds
+    assert statuses == [201]
+
+
+def test_an_unreachable_database_fails_fast_and_a_later_write_of_the_same_invocation_too(tmp_path):
+    async def scenario():
+        url = f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/nothing"
+        engine = make_engine(url, timeout=1.0)
+        journal = Journal(engine, writer="w1", timeout=1.0)
+        await journal.start()
+        entry = InvocationLog(journal, identity(), "test")
+        entry.append(EventKind.ACTION_ACCEPTED)
+        first = entry.submit()
+        entry.append(EventKind.FAILED, phase=Phase.VALIDATION.value, code="INVALID_TARGET")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(JournalUnavailable):
+            await first
+        with pytest.raises(JournalUnavailable):
+            await entry.commit()
+        elapsed = loop.time() - started
+        healthy = journal.healthy
+        await journal.close()
+        await engine.dispose()
+        return elapsed, healthy
+
+    elapsed, healthy = asyncio.run(scenario())
+    assert elapsed < 5
+    assert not healthy
+
+
+def test_payloads_are_json_and_hold_no_surprises(db):
+    async def scenario():
+        engine = make_engine(db)
+        journal = Journal(engine, writer="w1")
+        await journal.start()
+        entry = await _full_history(journal)
+        await journal.close()
+        rows = await queries.event_rows(engine, entry.invocation_id)
+        await engine.dispose()
+        return rows
+
+    rows = asyncio.run(scenario())
+    assert json.loads(bytes(rows[0]["payload"])) == {"agent": "builder"}
