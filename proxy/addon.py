@@ -9,6 +9,7 @@ open"), so every hook here catches everything and answers with an envelope inste
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hmac
@@ -16,7 +17,7 @@ import logging
 import time
 from http import HTTPStatus
 from mitmproxy import http
-from mitmproxy.connection import Client
+from mitmproxy.connection import Client, ConnectionState
 
 from .broker import AgentRequest, Broker, Reply
 from .contract import Code, Outcome, Phase, Retry
@@ -149,9 +150,11 @@ class BrokerAddon:
                 body=r.raw_content or b"",
             )
             self._live[flow.id] = req
+            watch = _CallerWatch(flow, req)
             try:
                 reply = await self.broker.handle(req)
             finally:
+                watch.stop()
                 self._live.pop(flow.id, None)
             if req.caller_gone.is_set() or flow.error is not None:
                 if reply.undelivered is not None:
@@ -187,6 +190,32 @@ class BrokerAddon:
         except Exception:
             log.exception("could not record a caller's disconnect")
 
+
+
+class _CallerWatch:
+    """Notices an agent that hangs up while its request is being handled.
+
+    mitmproxy queues a client's disconnect while a blocking hook runs, so neither ``error`` nor
+    ``client_disconnected`` fires until the broker answers; but the connection's read side is
+    marked closed as soon as the EOF arrives. A cheap timer checks that flag.
+    """
+
+    INTERVAL = 0.1
+
+    def __init__(self, flow: http.HTTPFlow, req: AgentRequest):
+        self._flow = flow
+        self._req = req
+        self._loop = asyncio.get_running_loop()
+        self._handle = self._loop.call_later(self.INTERVAL, self._check)
+
+    def _check(self) -> None:
+        if not self._flow.client_conn.state & ConnectionState.CAN_READ:
+            self._req.caller_gone.set()
+            return
+        self._handle = self._loop.call_later(self.INTERVAL, self._check)
+
+    def stop(self) -> None:
+        self._handle.cancel()
 
 
 def _internal_error() -> http.Response:

@@ -20,10 +20,11 @@ reads the response until ``result_horizon`` and records it, so the result can be
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
+from email.utils import parsedate_to_datetime
 from typing import Any, Callable
 
 from .config import Route, Settings
@@ -178,6 +179,7 @@ class _Exchange:
             peer_certificate=response.peer_certificate_sha256,
             retry_after=_retry_after(response),
             location=response.header("Location"),
+            job_ref=_job_reference(response),
             http_version=response.http_version,
         )
         self.entry.append(
@@ -317,6 +319,9 @@ class Broker:
         exchange = _Exchange(self, entry, request, needles)
         return await self._run(entry, exchange, req, route)
 
+    def _horizon(self, route: Route) -> float:
+        return route.result_horizon or self.settings.upstream.result_horizon
+
     async def _run(self, entry: InvocationLog, exchange: _Exchange, req: AgentRequest, route: Route) -> Reply:
         started = time.monotonic()
         task = asyncio.create_task(exchange.run(), name=f"exchange {entry.invocation_id}")
@@ -334,15 +339,21 @@ class Broker:
             disposition = "disconnected" if gone in done else "timed_out"
         finally:
             gone.cancel()
-        return await self._release_caller(entry, exchange, task, disposition, started)
+        return await self._release_caller(entry, exchange, task, disposition, started, self._horizon(route))
 
     async def _release_caller(
-        self, entry: InvocationLog, exchange: _Exchange, task: asyncio.Task[_Settled], disposition: str, started: float
+        self,
+        entry: InvocationLog,
+        exchange: _Exchange,
+        task: asyncio.Task[_Settled],
+        disposition: str,
+        started: float,
+        horizon: float,
     ) -> Reply:
-        """The caller stopped waiting; the exchange goes on in the background."""
+        """The caller stopped waiting; the exchange goes on in the background until the horizon."""
         exchange.caller_left = True
         entry.append(EventKind.CALLER_CANCELLED, disposition=disposition)
-        horizon = self.settings.upstream.result_horizon - (time.monotonic() - started)
+        horizon = horizon - (time.monotonic() - started)
         background = asyncio.create_task(self._finish_unanswered(entry, task, max(horizon, 0.1)))
         self._background.add(background)
         background.add_done_callback(self._background.discard)
@@ -590,8 +601,6 @@ def _redact_headers(headers: list[tuple[str, str]], needles: list[bytes]) -> tup
 
 
 def _json_headers(headers: list[tuple[str, str]]) -> str:
-    import json
-
     return json.dumps(headers, separators=(",", ":"))
 
 
@@ -602,8 +611,6 @@ def _retry_after(response: UpstreamResponse) -> float | None:
     value = value.strip()
     if value.isdigit():
         return float(value)
-    from email.utils import parsedate_to_datetime
-
     try:
         when = parsedate_to_datetime(value)
     except (TypeError, ValueError):
@@ -611,10 +618,27 @@ def _retry_after(response: UpstreamResponse) -> float | None:
     return max((when - utcnow()).total_seconds(), 0.0)
 
 
+_JOB_KEYS = ("job_id", "operation_id", "task_id", "id")
+
+
+def _job_reference(response: UpstreamResponse) -> str | None:
+    """For a 202: the id of the accepted job, so the record says what to poll (not "done")."""
+    if response.status != 202:
+        return None
+    try:
+        body = json.loads(response.body) if response.body else None
+    except ValueError:
+        return None
+    if isinstance(body, dict):
+        for key in _JOB_KEYS:
+            value = body.get(key)
+            if isinstance(value, (str, int)) and len(str(value)) <= 200:
+                return str(value)
+    return None
+
+
 def _authority(host: str, port: int, scheme: str) -> str:
     host = f"[{host}]" if ":" in host and not host.startswith("[") else host
     default = 443 if scheme == "https" else 80
     return host if port == default else f"{host}:{port}"
 
-
-_ = timedelta

@@ -190,6 +190,7 @@ class Route(_Section):
     connect_to: Listen | None = None
     connect_timeout: Duration | None = None
     response_timeout: Duration | None = None
+    result_horizon: Duration | None = None
 
     @field_validator("methods")
     @classmethod

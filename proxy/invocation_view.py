@@ -74,7 +74,7 @@ def describe(
         ],
     }
     if complete is not None:
-        for key in ("framing", "body_sha256", "body_bytes", "peer_certificate", "retry_after", "location", "http_version"):
+        for key in ("framing", "body_sha256", "body_bytes", "peer_certificate", "retry_after", "location", "job_ref", "http_version"):
             if key in complete.data:
                 evidence[key] = complete.data[key]
     idempotency = None

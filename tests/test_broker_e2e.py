@@ -19,6 +19,7 @@ import pytest
 
 from tests.support.canaries import CANARIES
 from tests.support.broker import BrokerProcess
+from tests.support.envelopes import check_envelope
 from tests.support.hostile import HostileUpstream
 from tests.support.journal import dispatched_ids, dump_journal
 
@@ -176,7 +177,7 @@ def test_missing_or_wrong_proxy_token_gets_407_and_nothing_is_sent(broker: Broke
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 407"), head
         assert b"proxy-authenticate: basic" in head.lower()
-        envelope = json.loads(body)
+        envelope = check_envelope(body)
         SEEN.append(json.dumps(envelope))
         assert envelope["error"]["code"] == "PROXY_AUTH_REQUIRED"
         assert envelope["error"]["outcome"] == "not_attempted"
@@ -188,7 +189,7 @@ def _refused(response: httpx.Response, status: int, code: str, phase: str = "val
     _seen(response)
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == "application/problem+json"
-    body = response.json()
+    body = check_envelope(response.content)
     assert body["error"]["code"] == code
     assert body["error"]["phase"] == phase
     assert body["error"]["outcome"] == "not_attempted"

@@ -11,6 +11,7 @@ import base64
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -157,7 +158,8 @@ class BrokerProcess:
 
     def client(self, agent: str = "builder", token: str | None = None, **kwargs: Any) -> httpx.Client:
         """An httpx client that goes through the broker and trusts its CA."""
-        return httpx.Client(proxy=self.proxy_url(agent, token), verify=str(self.ca_path), timeout=kwargs.pop("timeout", 20), **kwargs)
+        verify = ssl.create_default_context(cafile=str(self.ca_path))
+        return httpx.Client(proxy=self.proxy_url(agent, token), verify=verify, timeout=kwargs.pop("timeout", 20), **kwargs)
 
     def api(self, token: str | None = None) -> httpx.Client:
         token = token if token is not None else self.agents["builder"].token

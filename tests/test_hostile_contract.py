@@ -1,0 +1,333 @@
+"""The HTTP evidence contract against a hostile upstream: one test per fault, each injected.
+
+Every test drives a real client through a real broker (both journal dialects) to the hostile
+upstream and asserts three things: the record (phase, outcome, code, retry, evidence), what the
+client got (envelope or response), and what the upstream actually received and applied.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import DIALECTS, database_url, new_broker
+from tests.support.broker import BrokerProcess
+from tests.support.canaries import CANARIES
+from tests.support.certs import TestPKI
+from tests.support.envelopes import check_envelope
+from tests.support.hostile import HostileUpstream, free_port
+
+H = "https://hostile.example.test"
+PLAIN = "http://hostile-plain.example.test"
+
+
+def hostile_routes(up: HostileUpstream) -> list[dict[str, Any]]:
+    good = f"127.0.0.1:{up.tls_port('good')}"
+    fast = {"connect_timeout": "1s", "response_timeout": "1s", "result_horizon": "3s"}
+    plain_route = {"port": 80, "scheme": "http", "connect_to": f"127.0.0.1:{up.http_port}"}
+    every = ["GET", "HEAD", "POST", "PUT", "DELETE"]
+    credential = {"credential": "payments-key", "inject": {"header": "Authorization", "value": "Bearer {secret}"}}
+    return [
+        {"name": "h.tls", "host": "hostile.example.test", "methods": every, "agents": ["builder"], "connect_to": good, **credential, **fast},
+        {"name": "h.plain", "host": "hostile-plain.example.test", "methods": every, "agents": ["builder"], **plain_route, **fast},
+        {"name": "h.slow", "host": "slow.example.test", "methods": every, "agents": ["builder"], "connect_to": good,
+         "response_timeout": "10s", "result_horizon": "4s"},
+        {"name": "h.other", "host": "other.example.test", "methods": every, "agents": ["builder"], "connect_to": good},
+        {"name": "h.dns", "host": "nxdomain.invalid", "methods": every, "agents": ["builder"], **fast},
+        {"name": "h.refused", "host": "refused.example.test", "methods": every, "agents": ["builder"], "connect_to": f"127.0.0.1:{free_port()}", **fast},
+        {"name": "h.untrusted", "host": "untrusted.example.test", "methods": every, "agents": ["builder"], "connect_to": f"127.0.0.1:{up.tls_port('untrusted')}", **fast},
+        {"name": "h.expired", "host": "expired.example.test", "methods": every, "agents": ["builder"], "connect_to": f"127.0.0.1:{up.tls_port('expired')}", **fast},
+        {"name": "h.wronghost", "host": "wronghost.example.test", "methods": every, "agents": ["builder"], "connect_to": f"127.0.0.1:{up.tls_port('wrong_host')}", **fast},
+        {"name": "h.stall", "host": "stall.example.test", "methods": every, "agents": ["builder"], "connect_to": f"127.0.0.1:{up.tls_stall_port}", **fast},
+    ]
+
+
+@pytest.fixture(scope="module", params=DIALECTS)
+def broker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, pki: TestPKI, upstream_server: HostileUpstream) -> Iterator[BrokerProcess]:
+    workdir = tmp_path_factory.mktemp(f"hostile-{request.param}")
+    process = new_broker(workdir, database_url(request.param, workdir, request), pki, hostile_routes(upstream_server))
+    process.start()
+    yield process
+    process.stop()
+
+
+def envelope_of(response: httpx.Response, status: int, code: str, phase: str, outcome: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    body = check_envelope(response.content)
+    assert (body["error"]["code"], body["error"]["phase"], body["error"]["outcome"]) == (code, phase, outcome)
+    assert response.headers["affidavit-invocation-id"] == body["invocation_id"]
+    assert response.headers["affidavit-outcome"] == outcome
+    assert CANARIES["PAYMENTS_KEY"] not in response.text
+    return body
+
+
+def record_of(broker: BrokerProcess, invocation_id: str, ended: bool = True) -> dict[str, Any]:
+    if ended:
+        return broker.wait_for(invocation_id, lambda r: r["retry"] is not None and r["stage"] not in ("committed", "dispatched"))
+    return broker.invocation(invocation_id, broker.operator_token)
+
+
+def kinds(record: dict[str, Any]) -> list[str]:
+    return [e["kind"] for e in record["events"]]
+
+
+# -- connection setup: nothing crosses the boundary ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "code", "stage", "status", "retry"),
+    [
+        ("https://nxdomain.invalid/h/ok", "DNS_FAILED", "dns", 502, "backoff"),
+        ("https://refused.example.test/h/ok", "CONNECT_REFUSED", "tcp_connect", 502, "backoff"),
+        ("https://untrusted.example.test/h/ok", "TLS_CERT_UNTRUSTED", "tls_handshake", 502, "after_correction"),
+        ("https://expired.example.test/h/ok", "TLS_CERT_EXPIRED", "tls_handshake", 502, "after_correction"),
+        ("https://wronghost.example.test/h/ok", "TLS_HOSTNAME_MISMATCH", "tls_handshake", 502, "after_correction"),
+        ("https://stall.example.test/h/ok", "CONNECT_TIMEOUT", "tcp_connect", 504, "backoff"),
+    ],
+)
+def test_connection_setup_failures_are_not_attempted(broker, upstream, url, code, stage, status, retry):
+    with broker.client() as client:
+        started = time.monotonic()
+        response = client.post(url, content=b'{"charge":1}')
+        elapsed = time.monotonic() - started
+    body = envelope_of(response, status, code, "connection_setup", "not_attempted")
+    assert body["error"]["retry"] == retry
+    assert body["evidence"]["dispatch_started"] is False
+    assert body["evidence"]["attempts"] == [{"n": 1, "stage": stage, "code": code}]
+    record = record_of(broker, body["invocation_id"])
+    assert "DISPATCH_STARTED" not in kinds(record)
+    assert kinds(record)[-2:] == ["CONNECTION_ATTEMPT", "FAILED"]
+    with broker.operator() as api:
+        detail = api.get(f"/v1/invocations/{body['invocation_id']}").json()
+    assert detail["events"][-2]["data"]["diagnostic"], "the library's text stays in the internal field"
+    with broker.api() as api:
+        agent_view = api.get(f"/v1/invocations/{body['invocation_id']}").json()
+    assert "diagnostic" not in agent_view["events"][-2]["data"]
+    assert upstream.effects == 0 and [r for r in upstream.received if r.method] == []
+    if code.startswith("TLS_CERT") or code == "TLS_HOSTNAME_MISMATCH":
+        assert upstream.tls_errors, "the upstream saw the broker refuse its certificate"
+    assert elapsed < 5
+
+
+# -- after the boundary, no complete response: unknown --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "code", "headers_received"),
+    [
+        ("/h/close_after_effect", "REMOTE_OUTCOME_UNKNOWN", False),
+        ("/h/close_mid_headers", "REMOTE_OUTCOME_UNKNOWN", False),
+        ("/h/short_body", "REMOTE_RESULT_INCOMPLETE", True),
+        ("/h/chunked_truncated", "REMOTE_RESULT_INCOMPLETE", True),
+        ("/h/continue_close", "REMOTE_OUTCOME_UNKNOWN", False),
+    ],
+)
+def test_broken_exchanges_after_dispatch_are_unknown(broker, upstream, path, code, headers_received):
+    with broker.client() as client:
+        response = client.post(H + path, content=b'{"charge":1}')
+    body = envelope_of(response, 502, code, "remote_execution", "unknown")
+    assert body["error"]["retry"] == "reconcile", "a POST without a declared contract must not be re-sent"
+    evidence = body["evidence"]
+    assert evidence["dispatch_started"] is True and evidence["request_complete"] is True
+    assert evidence["response_headers_received"] is headers_received
+    assert evidence["response_complete"] is False
+    record = record_of(broker, body["invocation_id"])
+    assert record["outcome"] == "unknown" and record["code"] == code
+    assert record["next_action"] == "reconcile"
+    assert "REMOTE_RESPONSE_COMPLETE" not in kinds(record) and "RESULT_COMMITTED" not in kinds(record)
+    with broker.api() as api:
+        fetched = api.get(f"/v1/invocations/{body['invocation_id']}/result")
+    assert fetched.status_code == 409
+    assert check_envelope(fetched.content)["error"]["outcome"] == "unknown"
+    # The partial body is never served as the result, anywhere.
+    for partial in (b'"partial"', b'"chunk"', b"appl"):
+        assert partial not in response.content and partial not in fetched.content
+    assert upstream.effects == 1
+    assert len([r for r in upstream.received if r.method]) == 1, "no silent re-send"
+
+
+def test_a_get_that_breaks_on_a_reused_connection_is_not_silently_resent(broker, upstream):
+    with broker.client() as client:
+        first = client.get(H + "/h/ok")
+        assert first.status_code == 200
+        response = client.get(H + "/h/close_after_effect")
+    body = envelope_of(response, 502, "REMOTE_OUTCOME_UNKNOWN", "remote_execution", "unknown")
+    assert body["error"]["retry"] == "backoff", "GET is idempotent by default: a new attempt is safe"
+    assert body["evidence"]["attempts"][0]["connection"] == "reused"
+    assert upstream.effects == 2
+    assert [r.path for r in upstream.received if r.method] == ["/h/ok", "/h/close_after_effect"]
+
+
+def test_a_connection_the_server_closed_while_idle_is_not_reused(broker, upstream):
+    with broker.client() as client:
+        assert client.get(H + "/h/idle_close?after=0.2").status_code == 200
+        time.sleep(0.8)
+        response = client.get(H + "/h/status?code=200")
+    assert response.status_code == 200
+    record = record_of(broker, response.headers["affidavit-invocation-id"])
+    assert record["outcome"] == "committed"
+    conns = {r.conn_id for r in upstream.received}
+    assert len(conns) == 2, "the stale connection was not written to"
+
+
+def test_no_answer_within_the_response_timeout_is_unknown_and_timed_out(broker, upstream):
+    with broker.client() as client:
+        started = time.monotonic()
+        response = client.post(PLAIN + "/h/hang", content=b"{}")
+        waited = time.monotonic() - started
+    body = envelope_of(response, 504, "REMOTE_OUTCOME_UNKNOWN", "remote_execution", "unknown")
+    assert body["evidence"]["timeout"] == "response"
+    assert body["evidence"]["dispatch_started"] is True
+    assert 0.9 < waited < 5
+    record = broker.wait_for(body["invocation_id"], lambda r: r["stage"] == "ended_unknown", timeout=10)
+    assert record["caller_disposition"] == "timed_out"
+    assert record["outcome"] == "unknown" and record["retry"] == "reconcile"
+    assert upstream.effects == 1
+
+
+def test_a_late_result_after_the_response_timeout_becomes_fetchable(broker, upstream):
+    with broker.client() as client:
+        response = client.post(PLAIN + "/h/slow?delay=1.8", content=b"{}")
+    body = envelope_of(response, 504, "REMOTE_OUTCOME_UNKNOWN", "remote_execution", "unknown")
+    record = broker.wait_for(body["invocation_id"], lambda r: r["stage"] == "delivery_failed", timeout=10)
+    assert record["caller_disposition"] == "timed_out", "the caller's timed-out wait is never rewritten"
+    assert record["outcome"] == "committed" and record["retry"] == "fetch_result"
+    with broker.api() as api:
+        fetched = api.get(f"/v1/invocations/{body['invocation_id']}/result")
+    assert fetched.status_code == 200 and fetched.json()["path"] == "/h/slow?delay=1.8"
+    assert upstream.effects == 1
+
+
+# -- complete responses decide the outcome ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "query", "outcome", "retry"),
+    [
+        ("POST", "code=500", "committed", "never"),
+        ("POST", "code=200", "committed", "never"),
+        ("GET", "code=401", "rejected", "after_correction"),
+        ("POST", "code=403", "rejected", "after_correction"),
+        ("GET", "code=429&retry_after=7", "rejected", "backoff"),
+        ("GET", "code=503&retry_after=3", "rejected", "backoff"),
+        ("POST", "code=429&retry_after=7", "rejected", "never"),
+        ("POST", "code=503&retry_after=3", "rejected", "never"),
+        ("GET", "code=429", "rejected", "never"),
+        ("POST", "code=422", "rejected", "after_correction"),
+    ],
+)
+def test_a_complete_final_response_is_the_result(broker, upstream, method, query, outcome, retry):
+    with broker.client() as client:
+        response = client.request(method, f"{H}/h/status?{query}", content=b"{}" if method == "POST" else None)
+    status = int(query.split("&")[0].split("=")[1])
+    assert response.status_code == status
+    assert response.headers["affidavit-outcome"] == outcome
+    record = record_of(broker, response.headers["affidavit-invocation-id"])
+    assert (record["outcome"], record["retry"], record["code"]) == (outcome, retry, None)
+    assert record["evidence"]["response_complete"] is True and record["evidence"]["status"] == status
+    assert record["evidence"]["certainty"] == "remote_response"
+    if "retry_after" in query:
+        assert record["evidence"]["retry_after"] == float(query.rsplit("=", 1)[1])
+    if status == 500:
+        assert record["next_action"] == "return_recorded_result"
+    with broker.api() as api:
+        replay = api.get(f"/v1/invocations/{record['invocation_id']}/result")
+    assert replay.status_code == status and replay.content == response.content
+    assert upstream.effects == 1
+
+
+def test_a_202_records_the_job_reference_and_is_not_done(broker, upstream):
+    with broker.client() as client:
+        response = client.post(f"{H}/h/status?code=202&job=job-7&location=/jobs/job-7", content=b"{}")
+    assert response.status_code == 202 and response.headers["location"] == "/jobs/job-7"
+    record = record_of(broker, response.headers["affidavit-invocation-id"])
+    assert record["outcome"] == "committed" and record["retry"] == "never"
+    assert record["evidence"]["location"] == "/jobs/job-7"
+    assert record["evidence"]["job_ref"] == "job-7"
+
+
+def test_100_continue_then_a_final_response_is_decided_by_the_final_one(broker, upstream):
+    with broker.client() as client:
+        response = client.post(f"{H}/h/continue_final?code=201", content=b'{"x":1}')
+    assert response.status_code == 201
+    record = record_of(broker, response.headers["affidavit-invocation-id"])
+    assert record["outcome"] == "committed" and record["evidence"]["status"] == 201
+
+
+def test_close_delimited_body_is_complete_but_marked_as_weaker_framing(broker, upstream):
+    with broker.client() as client:
+        response = client.get(f"{H}/h/close_delimited")
+    assert response.status_code == 200
+    record = record_of(broker, response.headers["affidavit-invocation-id"])
+    assert record["outcome"] == "committed" and record["evidence"]["framing"] == "close"
+
+
+def test_a_redirect_to_another_origin_is_a_new_invocation_without_the_credential(broker, upstream):
+    target = "https://other.example.test/h/status?code=200"
+    done = broker.curl(f"{H}/h/redirect?to={target}", "-L", "-X", "GET")
+    assert done.returncode == 0, done.stderr
+    ids = [line.split(b":", 1)[1].strip().decode() for line in done.stdout.split(b"\r\n") if line.lower().startswith(b"affidavit-invocation-id")]
+    assert len(ids) == 2 and ids[0] != ids[1]
+    first, second = (record_of(broker, i) for i in ids)
+    assert first["route"] == "h.tls" and first["outcome"] == "committed" and first["evidence"]["status"] == 307
+    assert first["evidence"]["location"] == target
+    assert second["route"] == "h.other" and second["outcome"] == "committed"
+    assert second["credential"]["id"] is None
+    hop1, hop2 = [r for r in upstream.received if r.method]
+    assert hop1.header("Authorization") == f"Bearer {CANARIES['PAYMENTS_KEY']}"
+    assert hop2.header("Authorization") is None and hop2.sni == "other.example.test"
+
+
+def test_a_redirect_to_an_origin_without_a_route_is_refused_before_anything_is_sent(broker, upstream):
+    done = broker.curl(f"{H}/h/redirect?to=https://elsewhere.example.test/steal", "-L")
+    assert done.returncode == 0, done.stderr
+    assert b"INVALID_TARGET" in done.stdout
+    assert len([r for r in upstream.received if r.method]) == 1
+
+
+# -- the caller leaves -------------------------------------------------------------------------
+
+
+def _latest(broker: BrokerProcess, route: str) -> dict[str, Any]:
+    with broker.operator() as api:
+        return api.get("/v1/invocations", params={"route": route, "limit": 1}).json()["items"][0]
+
+
+def test_a_caller_that_gives_up_still_gets_a_late_result_fetched(broker, upstream):
+    done = broker.curl("https://slow.example.test/h/slow?delay=1.5", "-X", "POST", "-d", "{}", timeout=0.5)
+    assert done.returncode == 28, "curl gave up (timeout)"
+    invocation_id = _latest(broker, "h.slow")["invocation_id"]
+    record = broker.wait_for(invocation_id, lambda r: r["stage"] == "delivery_failed", timeout=10)
+    assert record["caller_disposition"] == "disconnected"
+    assert record["outcome"] == "committed"
+    assert record["retry"] == "fetch_result" and record["next_action"] == "fetch_result"
+    assert record["phase"] == "result_delivery" and record["code"] == "CALLER_CANCELLED"
+    assert "CALLER_CANCELLED" in kinds(record)
+    with broker.api() as api:
+        fetched = api.get(f"/v1/invocations/{invocation_id}/result")
+    assert fetched.status_code == 200 and fetched.json()["path"] == "/h/slow?delay=1.5"
+    assert upstream.effects == 1
+
+
+def test_a_caller_that_gives_up_on_a_silent_upstream_leaves_an_unknown_record(broker, upstream):
+    done = broker.curl("https://slow.example.test/h/hang", "-X", "POST", "-d", "{}", timeout=0.5)
+    assert done.returncode == 28
+    invocation_id = _latest(broker, "h.slow")["invocation_id"]
+    record = broker.wait_for(invocation_id, lambda r: r["stage"] == "ended_unknown", timeout=10)
+    assert record["caller_disposition"] == "disconnected"
+    assert record["outcome"] == "unknown" and record["retry"] == "reconcile"
+    assert upstream.effects == 1
+
+
+def test_every_proxied_response_carries_the_invocation_id(broker, upstream):
+    with broker.client() as client:
+        for path in ("/h/ok", "/h/status?code=404", "/h/status?code=500"):
+            response = client.get(H + path)
+            assert response.headers["affidavit-invocation-id"].startswith("act_")
+            assert response.headers["affidavit-outcome"] in ("committed", "rejected")
