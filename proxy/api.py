@@ -16,13 +16,13 @@ from fastapi.responses import JSONResponse, Response
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from . import VERSION
-from .broker import INVOCATION_HEADER, OUTCOME_HEADER
+from .broker import INVOCATION_HEADER, OUTCOME_HEADER, REPLAYED_HEADER, note_replay
+from .contract import project
+from .store.journal import Journal
 from .contract import Code, Outcome, Phase, Retry
 from .envelope import MEDIA_TYPE, envelope
 from .invocation_view import describe
 from .store import queries
-
-REPLAYED_HEADER = "Affidavit-Replayed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,7 @@ def create_app(
     engine: AsyncEngine,
     agent_tokens: dict[str, str],
     operator_token: str | None,
-    journal_healthy: Any = None,
+    journal: Journal | None = None,
 ) -> FastAPI:
     app = FastAPI(
         title="Affidavit side API",
@@ -133,6 +133,9 @@ def create_app(
                 {k: view["evidence"][k] for k in ("dispatch_started", "request_complete", "response_headers_received", "response_complete")},
             )
             return JSONResponse(body, status_code=409, media_type=MEDIA_TYPE, headers={INVOCATION_HEADER: invocation_id})
+        if journal is not None:
+            events = queries.decode_events(await queries.event_rows(engine, invocation_id))
+            await note_replay(journal, row, project(events), "side_api")
         headers = [(k, v) for k, v in json.loads(stored["headers"]) if k.lower() not in ("content-length", "transfer-encoding", "connection")]
         response = Response(content=bytes(stored["body"]), status_code=stored["status"])
         for k, v in headers:

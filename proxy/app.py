@@ -159,7 +159,7 @@ async def serve(
     api_host, api_port = parse_listen(settings.api.listen)
     api = uvicorn.Server(
         uvicorn.Config(
-            create_app(engine, tokens, operator),
+            create_app(engine, tokens, operator, journal),
             host=api_host,
             port=api_port,
             log_config=None,

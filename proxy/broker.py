@@ -24,19 +24,25 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
 from typing import Any, Callable
 
 from .config import Route, Settings
 from .contract import (
     Code,
+    Event,
     EventKind,
+    NextAction,
     Outcome,
     Phase,
+    Record,
     Retry,
+    Stage,
     apply,
-    Event,
+    decide,
     is_idempotent,
+    project,
     retry_hint,
 )
 from .credentials import (
@@ -50,7 +56,12 @@ from .envelope import MEDIA_TYPE, encode, envelope, status_for
 from .fingerprint import body_sha256, fingerprint, normalized_target
 from .invocation_log import Identity, InvocationLog, new_invocation_id, utcnow
 from .routing import Refusal, match_route
-from .store.journal import Journal, JournalUnavailable
+from .failpoints import failpoint
+from .invocation_view import operation_of, retention_open
+from .store import leases, queries
+from .store.journal import IdempotencyConflict, Journal, JournalUnavailable, LeaseLost
+from ulid import ULID
+
 from .upstream import (
     HOP_BY_HOP,
     DispatchRefused,
@@ -66,6 +77,8 @@ log = logging.getLogger("affidavit.broker")
 INVOCATION_HEADER = "Affidavit-Invocation-Id"
 OUTCOME_HEADER = "Affidavit-Outcome"
 CODE_HEADER = "Affidavit-Code"
+REPLAYED_HEADER = "Affidavit-Replayed"
+IDEMPOTENCY_KEY_HEADER = "Affidavit-Idempotency-Key"
 
 #: Response headers never stored with a result (they may carry session secrets).
 _UNSTORED_HEADERS = frozenset({"set-cookie", "set-cookie2", "authorization", "proxy-authorization"})
@@ -130,15 +143,22 @@ class _Exchange:
         self.attempt = entry.record.dispatch_count + 1
 
     async def dispatch(self, attempt: int, connection: str) -> None:
+        """The boundary: nothing is written upstream until this returns."""
+        await failpoint("during_tls")
         if self.caller_left:
             raise DispatchRefused(Code.CALLER_CANCELLED, "the caller left before dispatch")
         self.connection = connection
         self.entry.append(EventKind.DISPATCH_STARTED, attempt=self.attempt, connection=connection)
         try:
-            await self.entry.commit()
+            # A re-send is fenced: if its lease ran out or another broker took over, the
+            # DISPATCH_STARTED write is refused and nothing is sent.
+            await self.entry.commit(fence=self.entry.fence(check_expiry=True))
         except JournalUnavailable as exc:
             raise DispatchRefused(Code.JOURNAL_UNAVAILABLE, str(exc)) from None
+        except LeaseLost:
+            raise DispatchRefused(Code.LEASE_LOST, "the lease for this re-send was lost before dispatch") from None
         self.dispatched.set()
+        await failpoint("after_dispatch_commit")
 
     def request_sent(self) -> None:
         self.entry.append(EventKind.REQUEST_SENT, attempt=self.attempt)
@@ -237,15 +257,89 @@ class Broker:
         matched = match_route(self.settings.routes, req.agent, req.scheme, req.host, req.port, req.method, req.path)
         route = matched if not isinstance(matched, Refusal) else None
         target = normalized_target(req.scheme, req.host, req.port, req.path)
+        request_fingerprint = fingerprint(req.method, target, req.body, req.headers)
+        refusal = self._preflight(matched, req)
+        if refusal is not None or route is None:
+            entry = self._new_entry(req, route, target, request_fingerprint)
+            code, message = refusal if refusal is not None else (Code.INVALID_TARGET, "")
+            return await self._refuse(entry, Phase.VALIDATION, code, message)
+
+        key, generated = self._idempotency_key(req, route)
+        scope = route.idempotency.scope if route.idempotency else route.name
+        if key is not None and not generated:
+            existing = await leases.find_keyed(self.journal.engine, req.agent, scope, key)
+            if existing is not None:
+                return await self._repeat(existing, req, route, request_fingerprint, key)
+        entry = self._new_entry(req, route, target, request_fingerprint, key, scope)
+        entry.append(EventKind.PREFLIGHT_VALIDATED, route=route.name, idempotency_key=key if not generated else None)
+        if key is not None:
+            # Bind the key before anything else happens, so two concurrent first requests with
+            # one key (on any brokers) become one invocation and one repeat.
+            try:
+                await entry.commit(claim=True)
+            except IdempotencyConflict:
+                existing = await leases.find_keyed(self.journal.engine, req.agent, scope, key)
+                if existing is None:
+                    return self._journal_unavailable()
+                return await self._repeat(existing, req, route, request_fingerprint, key)
+            except JournalUnavailable:
+                return self._journal_unavailable()
+        else:
+            entry.submit_quietly()
+        await failpoint("before_credential")
+        return await self._attempt(entry, req, route, key, generated)
+
+    def _preflight(self, matched: Route | Refusal, req: AgentRequest) -> tuple[Code, str] | None:
+        """Checks that need no secret and no I/O; a refusal is ``validation/not_attempted``."""
+        if isinstance(matched, Refusal):
+            return matched.code, matched.message
+        route = matched
+        limit = int(route.max_body if route.max_body is not None else self.settings.proxy.max_body)
+        if len(req.body) > limit:
+            return (
+                Code.PAYLOAD_LIMIT,
+                f"The request body is {len(req.body)} bytes; route '{route.name}' accepts at most {limit}. Nothing was sent.",
+            )
+        if route.inject is not None and req.header(route.inject.target_header) is not None:
+            return (
+                Code.FORBIDDEN_HEADER_OVERRIDE,
+                f"The request sets {route.inject.target_header}, which the broker injects for route "
+                f"'{route.name}'. Remove it; nothing was sent.",
+            )
+        return None
+
+    def _idempotency_key(self, req: AgentRequest, route: Route) -> tuple[str | None, bool]:
+        """(key, generated). A route with a declared remote contract always gets a key."""
+        key = req.header(self.settings.proxy.idempotency_header)
+        if key:
+            return key.strip()[:255], False
+        if route.idempotency is not None:
+            return f"afk_{ULID()}", True
+        return None, False
+
+    def _new_entry(
+        self,
+        req: AgentRequest,
+        route: Route | None,
+        target: str,
+        request_fingerprint: str,
+        key: str | None = None,
+        scope: str | None = None,
+    ) -> InvocationLog:
+        now = utcnow()
+        contract = route.idempotency if route else None
         identity = Identity(
             invocation_id=new_invocation_id(),
             agent=req.agent,
             route=route.name if route else None,
             method=req.method.upper(),
             target=target,
-            fingerprint=fingerprint(req.method, target, req.body, req.headers),
+            fingerprint=request_fingerprint,
             idempotent=is_idempotent(req.method, route.idempotent if route else None),
-            remote_contract=bool(route and route.idempotency),
+            remote_contract=contract is not None,
+            idempotency_key=key,
+            idempotency_scope=scope if key else None,
+            idempotency_expires_at=now + timedelta(seconds=contract.retention) if contract and key else None,
             retry_budget=route.retry_budget if route else 0,
         )
         entry = InvocationLog(self.journal, identity, self.owner)
@@ -258,30 +352,15 @@ class Broker:
             fingerprint=identity.fingerprint,
             body_bytes=len(req.body),
         )
-        if isinstance(matched, Refusal):
-            return await self._refuse(entry, Phase.VALIDATION, matched.code, matched.message)
-        route = matched
-        limit = int(route.max_body if route.max_body is not None else self.settings.proxy.max_body)
-        if len(req.body) > limit:
-            return await self._refuse(
-                entry,
-                Phase.VALIDATION,
-                Code.PAYLOAD_LIMIT,
-                f"The request body is {len(req.body)} bytes; route '{route.name}' accepts at most {limit}. "
-                "Nothing was sent.",
-            )
-        if route.inject is not None and req.header(route.inject.target_header) is not None:
-            return await self._refuse(
-                entry,
-                Phase.VALIDATION,
-                Code.FORBIDDEN_HEADER_OVERRIDE,
-                f"The request sets {route.inject.target_header}, which the broker injects for route "
-                f"'{route.name}'. Remove it; nothing was sent.",
-            )
-        entry.append(EventKind.PREFLIGHT_VALIDATED, route=route.name)
-        entry.submit_quietly()
+        return entry
 
-        headers = [(k, v) for k, v in req.headers if k.lower() not in HOP_BY_HOP]
+    async def _attempt(self, entry: InvocationLog, req: AgentRequest, route: Route, key: str | None, generated: bool) -> Reply:
+        """Credential, then the exchange: one attempt of this invocation."""
+        attempt = entry.record.dispatch_count + 1
+        forbidden = {h.lower() for h in (self.settings.proxy.idempotency_header,)} if route.idempotency else set()
+        if route.idempotency is not None:
+            forbidden.add(route.idempotency.header.lower())
+        headers = [(k, v) for k, v in req.headers if k.lower() not in HOP_BY_HOP and k.lower() not in forbidden]
         needles: list[bytes] = []
         if route.credential is not None and route.inject is not None:
             try:
@@ -301,15 +380,18 @@ class Broker:
             entry.credential = (credential.id, credential.version, route.inject.method)
             entry.append(
                 EventKind.CREDENTIAL_AUTHORIZED,
+                attempt=attempt,
                 credential_id=credential.id,
                 credential_version=credential.version,
                 injection=route.inject.method,
             )
         else:
-            entry.append(EventKind.CREDENTIAL_AUTHORIZED, credential_id=None, injection="none")
-
+            entry.append(EventKind.CREDENTIAL_AUTHORIZED, attempt=attempt, credential_id=None, injection="none")
+        if route.idempotency is not None and key is not None:
+            # The declared remote contract: the same key on every dispatch of this invocation.
+            headers.append((route.idempotency.header, key))
         request = UpstreamRequest(
-            method=identity.method,
+            method=entry.identity.method,
             url=f"{req.scheme}://{_authority(req.host, req.port, req.scheme)}{req.path or '/'}",
             headers=headers,
             body=req.body,
@@ -317,7 +399,126 @@ class Broker:
             max_response_body=int(self.settings.upstream.max_response_body),
         )
         exchange = _Exchange(self, entry, request, needles)
-        return await self._run(entry, exchange, req, route)
+        reply = await self._run(entry, exchange, req, route)
+        if key is not None and route.idempotency is not None:
+            reply.headers.append((IDEMPOTENCY_KEY_HEADER, key))
+        return reply
+
+    # -- repeats of a keyed operation -------------------------------------------------------
+
+    async def _repeat(self, row: dict[str, Any], req: AgentRequest, route: Route, request_fingerprint: str, key: str) -> Reply:
+        """The agent sent a key this broker (or another) has seen: replay, re-send or refuse."""
+        for _ in range(3):
+            if row["fingerprint"] != request_fingerprint:
+                return self._repeat_envelope(
+                    row, None, Code.IDEMPOTENCY_MISMATCH,
+                    f"The key {key!r} belongs to invocation {row['invocation_id']}, which has a different request "
+                    "fingerprint. Nothing was sent. Use a new key for a new operation, or repeat the original request exactly.",
+                )
+            event_rows = await queries.event_rows(self.journal.engine, row["invocation_id"])
+            events = queries.decode_events(event_rows)
+            record = project(events)
+            now = utcnow()
+            operation = operation_of(row)
+            retry = retry_hint(record, operation, retention_open=retention_open(row, now))
+            action = decide(record, retry, operation, request_fingerprint)
+            leased = row["lease_expires_at"] is not None and _aware(row["lease_expires_at"]) > now
+            if record.result_stored and action in (NextAction.FETCH_RESULT, NextAction.RETURN_RECORDED_RESULT, NextAction.WAIT):
+                return await self._replay(row, record)
+            if not record.ended or leased:
+                return self._repeat_envelope(
+                    row, record, Code.IDEMPOTENCY_IN_PROGRESS,
+                    f"Invocation {row['invocation_id']} with this key is still in progress. Nothing was sent. "
+                    "Ask again later, or GET /v1/invocations/{id}.",
+                )
+            if action is NextAction.RETRY_WHEN_ALLOWED and not _retry_after_elapsed(event_rows, record, now):
+                return await self._replay(row, record)
+            if action in (NextAction.FETCH_RESULT, NextAction.RETURN_RECORDED_RESULT):
+                return await self._replay(row, record)
+            if action is NextAction.RECONCILE:
+                reason = "its idempotency retention has run out" if row["remote_contract"] else "the route declares no remote idempotency contract"
+                return self._repeat_envelope(
+                    row, record, Code.RECONCILE_REQUIRED,
+                    f"Invocation {row['invocation_id']} may already have had its effect, and {reason}, so it cannot be "
+                    "re-sent safely. Nothing was sent. Reconcile it (the remote's records, or an operator).",
+                )
+            if row["generation"] >= row["retry_budget"]:
+                return self._repeat_envelope(
+                    row, record, Code.RETRY_BUDGET_EXHAUSTED,
+                    f"Invocation {row['invocation_id']} used its retry budget ({row['retry_budget']}). Nothing was sent. "
+                    "Reconcile it or ask an operator.",
+                )
+            until = now + timedelta(seconds=self.settings.proxy.retry_lease)
+            if await leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until):
+                return await self._reattempt(row, record, req, route, key, until)
+            row = await queries.invocation(self.journal.engine, row["invocation_id"]) or row
+        return self._repeat_envelope(
+            row, None, Code.IDEMPOTENCY_IN_PROGRESS,
+            f"Invocation {row['invocation_id']} is being retried elsewhere. Nothing was sent. Ask again later.",
+        )
+
+    async def _reattempt(
+        self, row: dict[str, Any], record: Record, req: AgentRequest, route: Route, key: str, until: datetime
+    ) -> Reply:
+        """One more attempt of an existing invocation, under the lease this broker just took."""
+        identity = identity_of(row)
+        entry = InvocationLog(
+            self.journal, identity, self.owner, record=record, persisted=True, generation=row["generation"] + 1
+        )
+        entry.lease_expires_at = until
+        await failpoint("after_lease")
+        entry.append(
+            EventKind.PREFLIGHT_VALIDATED,
+            route=route.name,
+            attempt=record.dispatch_count + 1,
+            generation=entry.generation,
+            retry_of=record.outcome.value,
+        )
+        return await self._attempt(entry, req, route, key, generated=False)
+
+    async def _replay(self, row: dict[str, Any], record: Record) -> Reply:
+        """Serve the recorded result again; the upstream is not contacted."""
+        stored = await queries.result(self.journal.engine, row["invocation_id"])
+        if stored is None:
+            return self._repeat_envelope(
+                row, record, Code.RESULT_STORE_FAILED,
+                f"Invocation {row['invocation_id']} completed, but its result was not stored. Nothing was sent. "
+                "An operator must reconcile it; do not re-send.",
+            )
+        task = asyncio.create_task(note_replay(self.journal, row, record, "replay"))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        headers = [(k, v) for k, v in json.loads(stored["headers"]) if k.lower() not in HOP_BY_HOP]
+        headers += [
+            ("Content-Length", str(len(stored["body"]))),
+            (INVOCATION_HEADER, row["invocation_id"]),
+            (OUTCOME_HEADER, record.outcome.value),
+            (REPLAYED_HEADER, "true"),
+        ]
+        if row["idempotency_key"]:
+            headers.append((IDEMPOTENCY_KEY_HEADER, row["idempotency_key"]))
+        return Reply(stored["status"], headers, bytes(stored["body"]), row["invocation_id"])
+
+    def _repeat_envelope(self, row: dict[str, Any], record: Record | None, code: Code, message: str) -> Reply:
+        identity = identity_of(row)
+        if record is None:  # this request itself was not attempted
+            phase, outcome, retry = Phase.VALIDATION, Outcome.NOT_ATTEMPTED, Retry.AFTER_CORRECTION
+        else:
+            phase = Phase.VALIDATION
+            outcome = record.outcome
+            retry = retry_hint(record, identity.operation, retention_open=identity.retention_open(utcnow())) or Retry.BACKOFF
+            if code is Code.IDEMPOTENCY_IN_PROGRESS:
+                retry = Retry.BACKOFF
+            elif code is Code.RETRY_BUDGET_EXHAUSTED:
+                retry = Retry.RECONCILE if outcome is Outcome.UNKNOWN else Retry.AFTER_CORRECTION
+        body = envelope(row["invocation_id"], code, phase, outcome, retry, message, evidence_from(record, identity))
+        headers = [
+            ("Content-Type", MEDIA_TYPE),
+            (INVOCATION_HEADER, row["invocation_id"]),
+            (OUTCOME_HEADER, outcome.value),
+            (CODE_HEADER, code.value),
+        ]
+        return Reply(status_for(code), headers, encode(body), row["invocation_id"])
 
     def _horizon(self, route: Route) -> float:
         return route.result_horizon or self.settings.upstream.result_horizon
@@ -434,6 +635,8 @@ class Broker:
             return self._result_reply(exchange, settled.response)
         if settled.refused is not None and settled.refused.code is Code.JOURNAL_UNAVAILABLE:
             return self._journal_unavailable()
+        if settled.refused is not None and settled.refused.code is Code.LEASE_LOST:
+            return self._lease_lost(entry)
         self._end(entry, settled, answered=True)
         try:
             await entry.commit()
@@ -495,6 +698,25 @@ class Broker:
         retry = retry_hint(entry.record, entry.identity.operation) or Retry.AFTER_CORRECTION
         return self._envelope_reply(entry, code, phase, Outcome.NOT_ATTEMPTED, retry, message)
 
+    def _lease_lost(self, entry: InvocationLog) -> Reply:
+        """A stale re-send was fenced before dispatch; another broker owns the invocation now.
+
+        Nothing can be written to the record by this broker (the fence refuses it), and nothing
+        was sent; what is known about the effect is what the record said before this attempt.
+        """
+        body = envelope(
+            entry.invocation_id,
+            Code.LEASE_LOST,
+            Phase.VALIDATION,
+            Outcome.UNKNOWN if entry.record.dispatch_count > 1 or entry.record.dispatch_started else Outcome.NOT_ATTEMPTED,
+            Retry.BACKOFF,
+            "This broker's lease on the invocation ran out before it could dispatch, so it sent nothing; "
+            "another attempt may be running elsewhere. Ask GET /v1/invocations/{id} before trying again.",
+            {"dispatch_started": False},
+        )
+        headers = [("Content-Type", MEDIA_TYPE), (INVOCATION_HEADER, entry.invocation_id), (CODE_HEADER, Code.LEASE_LOST.value)]
+        return Reply(status_for(Code.LEASE_LOST), headers, encode(body), entry.invocation_id)
+
     def _journal_unavailable(self) -> Reply:
         body = envelope(
             None,
@@ -529,14 +751,36 @@ class Broker:
         return Reply(status_for(code, timed_out=timed_out), headers, encode(body), entry.invocation_id)
 
 
+async def note_replay(journal: Journal, row: dict[str, Any], record: Record, channel: str) -> None:
+    """Count a served replay; if the original delivery had failed, this one is the delivery.
+
+    The disposition of the original wait stays as it was. Both are courtesies: the replay itself
+    already succeeded, so a failure here is logged, not raised.
+    """
+    try:
+        await leases.count_replay(journal.engine, row["invocation_id"])
+        if record.stage is Stage.DELIVERY_FAILED:
+            entry = InvocationLog(journal, identity_of(row), row["owner"], record=record, persisted=True,
+                                  generation=row["generation"])
+            entry.append(EventKind.RESULT_DELIVERED, channel=channel)
+            await entry.commit()
+    except Exception as exc:
+        log.info("could not record a replay of %s: %s", row["invocation_id"], exc)
+
+
 def evidence_of(entry: InvocationLog, *, timed_out: bool = False) -> dict[str, Any]:
-    record = entry.record
+    return evidence_from(entry.record, entry.identity, timed_out=timed_out)
+
+
+def evidence_from(record: Record | None, identity: Identity, *, timed_out: bool = False) -> dict[str, Any]:
+    """How the broker knows: the envelope's evidence, from the record (none for a refused repeat)."""
+    record = record or Record()
     evidence: dict[str, Any] = {
         "dispatch_started": record.dispatch_started,
         "request_complete": record.request_complete,
         "response_headers_received": record.response_headers_received,
         "response_complete": record.response_complete,
-        "fingerprint": entry.identity.fingerprint,
+        "fingerprint": identity.fingerprint,
         "attempts": [
             {k: v for k, v in {"n": a.number, "stage": a.stage, "connection": a.connection, "code": a.code and a.code.value}.items() if v}
             for a in record.attempts
@@ -548,14 +792,47 @@ def evidence_of(entry: InvocationLog, *, timed_out: bool = False) -> dict[str, A
         evidence["status"] = record.status
     if timed_out:
         evidence["timeout"] = "response"
-    if entry.identity.remote_contract or entry.identity.idempotency_key:
+    if identity.remote_contract or identity.idempotency_key:
         evidence["idempotency"] = {
-            "key": entry.identity.idempotency_key,
-            "scope": entry.identity.idempotency_scope,
-            "fingerprint": entry.identity.fingerprint,
-            "remote_contract": "configured" if entry.identity.remote_contract else "none",
+            "key": identity.idempotency_key,
+            "scope": identity.idempotency_scope,
+            "fingerprint": identity.fingerprint,
+            "remote_contract": "configured" if identity.remote_contract else "none",
         }
     return evidence
+
+
+def identity_of(row: dict[str, Any]) -> Identity:
+    """The stored identity of an invocation (as accepted; later config changes do not alter it)."""
+    return Identity(
+        invocation_id=row["invocation_id"],
+        agent=row["agent"],
+        route=row["route"],
+        method=row["method"],
+        target=row["target"],
+        fingerprint=row["fingerprint"],
+        idempotent=bool(row["idempotent"]),
+        remote_contract=bool(row["remote_contract"]),
+        idempotency_key=row["idempotency_key"],
+        idempotency_scope=row["idempotency_scope"],
+        idempotency_expires_at=_aware(row["idempotency_expires_at"]) if row["idempotency_expires_at"] else None,
+        retry_budget=row["retry_budget"],
+    )
+
+
+def _aware(value: datetime) -> datetime:
+    """SQLite hands timestamps back without a zone; they were written in UTC."""
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def _retry_after_elapsed(event_rows: list[dict[str, Any]], record: Record, now: datetime) -> bool:
+    """For a refusal with Retry-After: has the delay passed since the refusal was recorded?"""
+    if record.retry_after is None:
+        return True
+    complete = next((r for r in reversed(event_rows) if r["kind"] == EventKind.REMOTE_RESPONSE_COMPLETE.value), None)
+    if complete is None:
+        return False
+    return now >= _aware(complete["at"]) + timedelta(seconds=record.retry_after)
 
 
 def _provisional_end(entry: InvocationLog) -> tuple[Outcome, Retry]:

@@ -92,6 +92,8 @@ class ProxySection(_Section):
     max_body: ByteSize = ByteSize(10 * 1024 * 1024)
     #: Request header agents may use to mark one logical operation (see docs/retries.md).
     idempotency_header: str = "Idempotency-Key"
+    #: How long a re-send may hold an invocation before it must have dispatched.
+    retry_lease: Duration = 30.0
 
 
 class ApiSection(_Section):

@@ -181,14 +181,15 @@ ENDED = frozenset(
 
 #: Every legal move: event kind -> (stages it may follow, stage it leads to; None = unchanged).
 #: ``FAILED`` is keyed by its phase because where a failure may happen depends on it.
-#: A re-send after an unknown outcome starts again at CREDENTIAL_AUTHORIZED (a new attempt);
+#: A re-send after an unknown outcome starts again at PREFLIGHT_VALIDATED (a new attempt);
 #: reconciliation adds a fact to an ended record and moves no stage.
 TRANSITIONS: dict[EventKind | tuple[EventKind, Phase], tuple[frozenset[Stage], Stage | None]] = {
     EventKind.ACTION_ACCEPTED: (frozenset({S.NEW}), S.ACCEPTED),
-    EventKind.PREFLIGHT_VALIDATED: (frozenset({S.ACCEPTED}), S.VALIDATED),
-    EventKind.APPROVAL_REQUESTED: (frozenset({S.VALIDATED, S.ENDED_UNKNOWN}), S.HELD),
+    # A new attempt of an ended invocation (a keyed retry) starts again at preflight.
+    EventKind.PREFLIGHT_VALIDATED: (frozenset({S.ACCEPTED, S.ENDED_UNKNOWN, S.ENDED_NOT_ATTEMPTED}), S.VALIDATED),
+    EventKind.APPROVAL_REQUESTED: (frozenset({S.VALIDATED}), S.HELD),
     EventKind.APPROVAL_GRANTED: (frozenset({S.HELD}), S.APPROVED),
-    EventKind.CREDENTIAL_AUTHORIZED: (frozenset({S.VALIDATED, S.APPROVED, S.ENDED_UNKNOWN}), S.AUTHORIZED),
+    EventKind.CREDENTIAL_AUTHORIZED: (frozenset({S.VALIDATED, S.APPROVED}), S.AUTHORIZED),
     EventKind.CONNECTION_ATTEMPT: (frozenset({S.AUTHORIZED}), None),
     EventKind.DISPATCH_STARTED: (frozenset({S.AUTHORIZED}), S.DISPATCHED),
     EventKind.REQUEST_SENT: (frozenset({S.DISPATCHED}), S.SENT),
@@ -410,7 +411,7 @@ def apply(record: Record, event: Event) -> Record:
         )
     else:
         changes["phase"] = _PHASE_OF[kind]
-        if kind is EventKind.CREDENTIAL_AUTHORIZED and record.stage is S.ENDED_UNKNOWN:
+        if kind is EventKind.PREFLIGHT_VALIDATED and record.stage in ENDED:
             changes["code"] = None  # a new attempt begins; the old code stays in its event
         elif kind is EventKind.CONNECTION_ATTEMPT:
             changes["attempts"] = _update_attempt(

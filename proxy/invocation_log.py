@@ -78,6 +78,8 @@ class InvocationLog:
         self.codec = codec
         self.record = record or Record()
         self.generation = generation
+        #: Set while this process holds a lease for a re-send (see proxy.store.leases).
+        self.lease_expires_at: datetime | None = None
         self.credential: tuple[str | None, str | None, str | None] = (None, None, None)
         self.attempts_used = self.record.dispatch_count
         self._buffer: list[EventRow] = []
@@ -121,6 +123,8 @@ class InvocationLog:
             "credential_id": self.credential[0],
             "credential_version": self.credential[1],
             "injection": self.credential[2],
+            "owner": self.owner,
+            "lease_expires_at": None if record.ended else self.lease_expires_at,
         }
 
     def _insert_row(self, projection: dict[str, Any]) -> dict[str, Any]:
@@ -138,22 +142,33 @@ class InvocationLog:
             "idempotency_scope": i.idempotency_scope,
             "idempotency_expires_at": i.idempotency_expires_at,
             "remote_contract": i.remote_contract,
-            "owner": self.owner,
-            "lease_expires_at": None,
             "generation": self.generation,
             "retry_budget": i.retry_budget,
             **projection,
         }
 
-    def submit(self, *, result: dict[str, Any] | None = None, fence: Fence | None = None) -> asyncio.Future[None]:
-        """Hand buffered events (and the new projection) to the journal without waiting."""
+    def fence(self, *, check_expiry: bool = False) -> Fence | None:
+        """Writes of a re-send are fenced by its generation; the first attempt needs none."""
+        if self.generation == 0:
+            return None
+        return Fence(self.invocation_id, self.generation, self.owner, utcnow(), check_expiry)
+
+    def submit(
+        self, *, result: dict[str, Any] | None = None, fence: Fence | None = None, claim: bool = False
+    ) -> asyncio.Future[None]:
+        """Hand buffered events (and the new projection) to the journal without waiting.
+
+        ``claim``: the first write of a keyed invocation, refused with IdempotencyConflict if
+        another invocation holds the same (agent, scope, key).
+        """
         projection = self.projection()
-        write = Write(events=self._buffer, result=result, fence=fence, after=self._last)
+        write = Write(events=self._buffer, result=result, fence=fence or self.fence(), after=self._last)
         self._buffer = []
         if self._persisted:
             write.update_invocation = projection_row(self.invocation_id, projection)
         else:
             write.insert_invocation = self._insert_row(projection)
+            write.claim = claim
             self._persisted = True
         self._last = self.journal.submit(write)
         return self._last

@@ -107,6 +107,8 @@ def describe(
             "injection": row.get("injection"),
         },
         "idempotency": idempotency,
+        "retry_budget": {"budget": row.get("retry_budget", 0), "used": row.get("generation", 0)},
+        "replays": row.get("replays", 0),
         "evidence": evidence,
         "result_available": record.result_stored,
         "events": [

@@ -133,10 +133,19 @@ def make_broker(tmp_path: Path, pki: TestPKI, upstream: HostileUpstream, request
     """Start a broker on the given dialect; every broker is stopped when the test ends."""
     started: list[BrokerProcess] = []
 
-    def factory(dialect: str = "sqlite", routes: list[dict[str, Any]] | None = None, start: bool = True, **sections: Any) -> BrokerProcess:
+    def factory(
+        dialect: str = "sqlite",
+        routes: list[dict[str, Any]] | None = None,
+        start: bool = True,
+        like: BrokerProcess | None = None,
+        env: dict[str, str] | None = None,
+        **sections: Any,
+    ) -> BrokerProcess:
+        """A new broker; ``like=other`` makes a replica on the same database with the same tokens."""
         workdir = tmp_path / f"broker{len(started)}"
         workdir.mkdir()
-        broker = new_broker(workdir, database_url(dialect, workdir, request), pki, routes or standard_routes(upstream), **sections)
+        db_url = like.database_url if like is not None else database_url(dialect, workdir, request)
+        broker = new_broker(workdir, db_url, pki, routes or standard_routes(upstream), like=like, env=env, **sections)
         started.append(broker)
         return broker.start() if start else broker
 
@@ -145,14 +154,29 @@ def make_broker(tmp_path: Path, pki: TestPKI, upstream: HostileUpstream, request
         broker.stop()
 
 
-def new_broker(workdir: Path, db_url: str, pki: TestPKI, routes: list[dict[str, Any]], **sections: Any) -> BrokerProcess:
-    agents = {"builder": Agent("builder", secrets.token_hex(8)), "reviewer": Agent("reviewer", secrets.token_hex(8))}
-    operator = secrets.token_hex(8)
+def new_broker(
+    workdir: Path,
+    db_url: str,
+    pki: TestPKI,
+    routes: list[dict[str, Any]],
+    *,
+    like: BrokerProcess | None = None,
+    env: dict[str, str] | None = None,
+    **sections: Any,
+) -> BrokerProcess:
+    """A broker process (not started). ``like``: share that broker's tokens (a replica)."""
+    if like is not None:
+        agents, operator = like.agents, like.operator_token
+    else:
+        agents = {"builder": Agent("builder", secrets.token_hex(8)), "reviewer": Agent("reviewer", secrets.token_hex(8))}
+        operator = secrets.token_hex(8)
+    extra_env = env or {}
     env = {
         "BUILDER_TOKEN": agents["builder"].token,
         "REVIEWER_TOKEN": agents["reviewer"].token,
         "AFFIDAVIT_TEST_OPERATOR": operator,
         **CANARIES,
+        **extra_env,
     }
     return BrokerProcess(workdir, make_config(workdir, db_url, pki, routes, **sections), env, agents, operator)
 

@@ -151,6 +151,7 @@ def test_a_second_attempt_failing_before_its_dispatch_leaves_the_record_unknown(
     events = [
         *DISPATCH,
         failed(Phase.REMOTE_EXECUTION, Code.REMOTE_OUTCOME_UNKNOWN),
+        ev(K.PREFLIGHT_VALIDATED, attempt=2),
         ev(K.CREDENTIAL_AUTHORIZED, attempt=2),
         ev(K.CONNECTION_ATTEMPT, attempt=2, stage="tcp_connect", code="CONNECT_REFUSED"),
         failed(Phase.CONNECTION_SETUP, Code.CONNECT_REFUSED, attempt=2),
@@ -160,6 +161,19 @@ def test_a_second_attempt_failing_before_its_dispatch_leaves_the_record_unknown(
     assert record.stage is Stage.ENDED_UNKNOWN
     assert [a.number for a in record.attempts] == [1, 2]
     assert record.attempts[0].stage == "dispatched" and record.attempts[1].code is Code.CONNECT_REFUSED
+
+
+def test_a_new_attempt_after_a_failure_before_dispatch_can_still_end_not_attempted():
+    events = [
+        *PREFIX,
+        failed(Phase.CONNECTION_SETUP, Code.DNS_FAILED),
+        ev(K.PREFLIGHT_VALIDATED, attempt=2),
+        ev(K.CREDENTIAL_AUTHORIZED, attempt=2),
+        failed(Phase.CONNECTION_SETUP, Code.CONNECT_REFUSED, attempt=2),
+    ]
+    record = fold(events)
+    assert record.outcome is Outcome.NOT_ATTEMPTED and record.stage is Stage.ENDED_NOT_ATTEMPTED
+    assert record.code is Code.CONNECT_REFUSED
 
 
 def test_a_result_cannot_precede_dispatch_and_delivery_cannot_precede_commit():

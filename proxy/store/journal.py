@@ -23,7 +23,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import and_, bindparam, event, insert, update
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from .schema import events, invocations, results
@@ -41,6 +43,10 @@ class LeaseLost(Exception):
     """A fenced write: the invocation's generation or lease moved on; nothing was written."""
 
 
+class IdempotencyConflict(Exception):
+    """An idempotency claim lost the race: another invocation already holds (agent, scope, key)."""
+
+
 @dataclass(slots=True)
 class EventRow:
     invocation_id: str
@@ -53,12 +59,18 @@ class EventRow:
 
 @dataclass(slots=True)
 class Fence:
-    """Write only if the invocation is still at ``generation`` and leased to ``owner``."""
+    """Write only if the invocation is still at ``generation`` and owned by ``owner``.
+
+    ``check_expiry`` adds "and the lease has not run out": required for the dispatch write (a
+    worker whose lease expired is fenced before it dispatches), not for later facts about an
+    exchange that already started.
+    """
 
     invocation_id: str
     generation: int
     owner: str
     now: datetime
+    check_expiry: bool = False
 
 
 @dataclass(slots=True)
@@ -70,6 +82,8 @@ class Write:
     update_invocation: dict[str, Any] | None = None
     result: dict[str, Any] | None = None
     fence: Fence | None = None
+    #: Insert ``insert_invocation`` only if its idempotency key is free (see Journal._claim).
+    claim: bool = False
     #: An earlier write of the same invocation; if it failed, this one is not attempted, so a
     #: record never has a gap (later events without the earlier ones).
     after: asyncio.Future[None] | None = None
@@ -155,6 +169,8 @@ _PROJECTION_COLUMNS = (
     "credential_id",
     "credential_version",
     "injection",
+    "owner",
+    "lease_expires_at",
 )
 
 _update_projection = (
@@ -257,7 +273,12 @@ class Journal:
                 w.future.set_result(None)  # type: ignore[union-attr]
             return
         try:
-            fenced_out = await asyncio.wait_for(self._transaction(live), self.timeout)
+            try:
+                refused = await asyncio.wait_for(self._transaction(live, isolate=False), self.timeout)
+            except IntegrityError:
+                # A write collided with another writer's rows (a race on one invocation). Redo
+                # the batch with each write in its own savepoint so only the colliding one fails.
+                refused = await asyncio.wait_for(self._transaction(live, isolate=True), self.timeout)
         except (SQLAlchemyError, DBAPIError, OSError, asyncio.TimeoutError, ConnectionError) as exc:
             self.errors += 1
             self.healthy = False
@@ -274,67 +295,94 @@ class Journal:
         for w in live:
             if w.future.done():  # type: ignore[union-attr]
                 continue
-            if w in fenced_out:
-                w.future.set_exception(LeaseLost(w.fence.invocation_id if w.fence else ""))  # type: ignore[union-attr]
+            if id(w) in refused:
+                w.future.set_exception(refused[id(w)])  # type: ignore[union-attr]
             else:
                 w.future.set_result(None)  # type: ignore[union-attr]
 
-    async def _transaction(self, batch: list[Write]) -> list[Write]:
+    async def _transaction(self, batch: list[Write], *, isolate: bool) -> dict[int, Exception]:
+        """One transaction for the batch. Returns the writes that were refused, with why.
+
+        Fenced writes and idempotency claims are checked row by row first; everything else goes
+        in a few multi-row statements. With ``isolate``, each write gets its own savepoint.
+        """
         conn = await self._connection()
-        writer_seq, prev_hash = self._writer_seq, self._prev_hash
-        fenced_out: list[Write] = []
+        chain = [self._writer_seq, self._prev_hash]
+        refused: dict[int, Exception] = {}
         async with conn.begin():
+            kept: list[Write] = []
             for w in batch:
                 if w.fence is not None and not await self._holds(conn, w.fence):
-                    fenced_out.append(w)
-            kept = [w for w in batch if w not in fenced_out]
-            inserts = [w.insert_invocation for w in kept if w.insert_invocation]
-            event_rows: list[dict[str, Any]] = []
-            for w in kept:
-                for e in w.events:
-                    writer_seq += 1
-                    row = {
-                        "invocation_id": e.invocation_id,
-                        "seq": e.seq,
-                        "kind": e.kind,
-                        "at": e.at,
-                        "writer": self.writer,
-                        "writer_seq": writer_seq,
-                        "prev_hash": prev_hash,
-                        "key_id": e.key_id,
-                        "payload": e.payload,
-                    }
-                    row["hash"] = prev_hash = chain_hash(row)
-                    event_rows.append(row)
-            updates = [w.update_invocation for w in kept if w.update_invocation]
-            stored = [w.result for w in kept if w.result]
-            if inserts:
-                await conn.execute(insert(invocations), inserts)
-            if event_rows:
-                await conn.execute(insert(events), event_rows)
-            if updates:
-                await conn.execute(_update_projection, updates)
-            if stored:
-                await conn.execute(insert(results), stored)
-        self._writer_seq, self._prev_hash = writer_seq, prev_hash
-        return fenced_out
+                    refused[id(w)] = LeaseLost(w.fence.invocation_id)
+                elif w.claim and not await self._claim(conn, w):
+                    refused[id(w)] = IdempotencyConflict(w.insert_invocation["invocation_id"])  # type: ignore[index]
+                else:
+                    kept.append(w)
+            if isolate:
+                for w in kept:
+                    saved = list(chain)
+                    try:
+                        async with conn.begin_nested():
+                            await self._insert(conn, [w], chain)
+                    except IntegrityError as exc:
+                        chain[:] = saved
+                        refused[id(w)] = LeaseLost(f"conflicting write: {_brief(exc)}")
+            else:
+                await self._insert(conn, kept, chain)
+        self._writer_seq, self._prev_hash = chain
+        return refused
+
+    async def _insert(self, conn: AsyncConnection, writes: list[Write], chain: list[Any]) -> None:
+        """The rows of ``writes``, extending the audit chain held in ``chain`` (seq, prev_hash)."""
+        writer_seq, prev_hash = chain
+        event_rows: list[dict[str, Any]] = []
+        for w in writes:
+            for e in w.events:
+                writer_seq += 1
+                row = {
+                    "invocation_id": e.invocation_id,
+                    "seq": e.seq,
+                    "kind": e.kind,
+                    "at": e.at,
+                    "writer": self.writer,
+                    "writer_seq": writer_seq,
+                    "prev_hash": prev_hash,
+                    "key_id": e.key_id,
+                    "payload": e.payload,
+                }
+                row["hash"] = prev_hash = chain_hash(row)
+                event_rows.append(row)
+        inserts = [w.insert_invocation for w in writes if w.insert_invocation and not w.claim]
+        updates = [w.update_invocation for w in writes if w.update_invocation]
+        stored = [w.result for w in writes if w.result]
+        if inserts:
+            await conn.execute(insert(invocations), inserts)
+        if event_rows:
+            await conn.execute(insert(events), event_rows)
+        if updates:
+            await conn.execute(_update_projection, updates)
+        if stored:
+            await conn.execute(insert(results), stored)
+        chain[:] = [writer_seq, prev_hash]
+
+    @staticmethod
+    async def _claim(conn: AsyncConnection, w: Write) -> bool:
+        """Insert a keyed invocation unless (agent, scope, key) is taken; True if it was inserted."""
+        dialect = conn.dialect.name
+        statement = (pg_insert if dialect == "postgresql" else sqlite_insert)(invocations).values(w.insert_invocation)
+        statement = statement.on_conflict_do_nothing(
+            index_elements=["agent", "idempotency_scope", "idempotency_key"]
+        ).returning(invocations.c.invocation_id)
+        return (await conn.execute(statement)).first() is not None
 
     @staticmethod
     async def _holds(conn: AsyncConnection, fence: Fence) -> bool:
         """The fencing check, in the same transaction as the rows it guards."""
         c = invocations.c
-        result = await conn.execute(
-            update(invocations)
-            .where(
-                and_(
-                    c.invocation_id == fence.invocation_id,
-                    c.generation == fence.generation,
-                    c.owner == fence.owner,
-                    c.lease_expires_at > fence.now,
-                )
-            )
-            .values(updated_at=fence.now)
-        )
+        condition = and_(c.invocation_id == fence.invocation_id, c.generation == fence.generation, c.owner == fence.owner)
+        if fence.check_expiry:
+            condition = and_(condition, c.lease_expires_at > fence.now)
+        result = await conn.execute(update(invocations).where(condition).values(updated_at=fence.now))
         return result.rowcount == 1
 
 

@@ -69,6 +69,8 @@ invocations = Table(
     Column("generation", Integer, nullable=False, default=0),
     Column("attempts_used", Integer, nullable=False, default=0),
     Column("retry_budget", Integer, nullable=False, default=0),
+    # How many times the recorded result was served again (same key, or a result fetch).
+    Column("replays", Integer, nullable=False, default=0, server_default="0"),
 )
 
 Index("ix_invocations_created_at", invocations.c.created_at)

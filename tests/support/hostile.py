@@ -499,11 +499,24 @@ class HostileUpstream:
             return not _wants_close(entry)
         # No await between the lookup above and storing below: concurrent first requests
         # for one key cannot both apply the effect.
-        raw = _response(200, self._echo(conn, entry, self._apply(entry, key)))
+        code = int(q.get("code", "200"))
+        raw = _response(code, self._echo(conn, entry, self._apply(entry, key)))
         self._idem_store[(entry.behaviour, key)] = (entry.body_sha256, raw)
-        entry.response_status = 200
+        if self._lose(q, key):
+            return await self._send_and_close(conn, entry, q, b"")
+        if "delay" in q:  # the effect is applied; the answer takes a while
+            await asyncio.sleep(float(q["delay"]))
+        entry.response_status = code
         await conn.send(raw)
         return not _wants_close(entry)
+
+    def _lose(self, q: dict[str, str], key: str | None) -> bool:
+        """``?lose=1``: the response to the first request per key is lost (the effect stays
+        applied); ``?lose=all``: every response that follows an applied effect is lost."""
+        lose = q.get("lose")
+        if lose == "all":
+            return True
+        return lose == "1" and self._effects_by_key.get(key or "", 0) == 1
 
     # ----------------------------------------------------------------- behaviours
     # ``_b_<name>`` serves ``/h/<name>``; it returns whether to keep the connection open.
@@ -600,7 +613,8 @@ class HostileUpstream:
         return await self._send(conn, entry, code, _json({"effects": n}), [("Location", q.get("to", "/h/ok"))])
 
     async def _b_idem_honour(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
-        """First request per key: effect + stored 200; repeats: stored bytes, no effect."""
+        """First request per key: effect + stored ``?code=`` (200); repeats: stored bytes, no
+        effect. ``?lose=1|all`` drops the response after the effect (see ``_lose``)."""
         return await self._idempotent(conn, entry, q, strict=False)
 
     async def _b_idem_strict(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
@@ -611,7 +625,10 @@ class HostileUpstream:
         """Ignores the key: effect every time (also counted per key)."""
         key = entry.header(q.get("header", "Idempotency-Key"))
         entry.idempotency_key = key
-        return await self._send(conn, entry, 200, self._echo(conn, entry, self._apply(entry, key)))
+        body = self._echo(conn, entry, self._apply(entry, key))
+        if self._lose(q, key):
+            return await self._send_and_close(conn, entry, q, b"")
+        return await self._send(conn, entry, int(q.get("code", "200")), body)
 
 
 #: Every behaviour name, for tests that want to iterate over them.

@@ -1,0 +1,610 @@
+#!/usr/bin/env python3
+"""Affidavit benchmark: bare ``mitmdump`` vs. Affidavit (PostgreSQL and SQLite journals), side by side.
+
+    python bench/run.py            # full matrix: {http,https} x {1,32,128} x 3 targets, 3 rounds (~6 min)
+    python bench/run.py --quick    # 1 round, concurrency {1,32}, 2 s per run (~1 min)
+
+Why it is built this way (see bench/README.md for how to read the output):
+
+* The machine is small (2 cores) and noisy, so absolute figures mean little. Every target runs
+  in the same invocation against the same upstream, rounds are interleaved with a rotating
+  order, and the report gives medians over rounds and *paired ratios* against bare mitmdump.
+* The upstream (nginx if installed, else bench/upstream.py), the load generator
+  (bench/loadgen.py) and each proxy are separate processes, so the CPU read from /proc for the
+  proxy is the proxy's alone.
+* Affidavit promises one journal row per accepted request; after every Affidavit run the
+  harness compares the growth of ``invocations`` with the requests the load generator sent and
+  prints a loud FAIL when they differ.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def _reexec_in_project_venv() -> None:
+    """Let ``python bench/run.py`` work from any Python: switch to the project's venv if needed."""
+    venv = REPO / ".venv"
+    python = venv / "bin" / "python"
+    if os.environ.get("AFFIDAVIT_BENCH_NO_REEXEC") or not python.exists():
+        return
+    if Path(sys.prefix).resolve() == venv.resolve():
+        return
+    os.environ["AFFIDAVIT_BENCH_NO_REEXEC"] = "1"
+    os.execv(str(python), [str(python), str(Path(__file__).resolve()), *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    _reexec_in_project_venv()
+
+import argparse  # noqa: E402
+import atexit  # noqa: E402
+import datetime as dt  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from typing import Any  # noqa: E402
+
+import services  # noqa: E402
+from services import Pki, StartError, Target, Upstream  # noqa: E402
+
+ALL_TARGETS = ("bare", "affidavit-pg", "affidavit-sqlite")
+OPTIONAL_TARGETS = ("direct",)  # no proxy: the upstream + load generator ceiling
+LOUD = "!" * 100
+
+
+# -- options -----------------------------------------------------------------------------------
+
+
+def _csv(kind: type) -> Any:
+    def parse(text: str) -> list[Any]:
+        return [kind(x.strip()) for x in text.split(",") if x.strip()]
+
+    return parse
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python bench/run.py",
+        description="Throughput, latency and CPU per request: bare mitmdump vs. Affidavit (pg, sqlite).",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="1 round, concurrency 1,32, 2 s per run (unless given explicitly)"
+    )
+    p.add_argument("--paths", type=_csv(str), default=["http", "https"], help="comma list of http,https [both]")
+    p.add_argument("--concurrency", type=_csv(int), help="comma list of connection counts [1,32,128; quick: 1,32]")
+    p.add_argument(
+        "--targets",
+        type=_csv(str),
+        default=list(ALL_TARGETS),
+        help=f"comma list of {','.join(ALL_TARGETS + OPTIONAL_TARGETS)} [all but direct]; bare is the reference",
+    )
+    p.add_argument("--duration", type=float, help="measured seconds per run [5; quick: 2]")
+    p.add_argument("--warmup", type=float, default=1.0, help="uncounted seconds before each measured window [1]")
+    p.add_argument("--rounds", type=int, help="interleaved rounds; the report shows medians [3; quick: 1]")
+    p.add_argument("--pause", type=float, default=0.2, help="seconds of rest between runs [0.2]")
+    p.add_argument("--upstream", choices=["auto", "nginx", "asyncio"], default="auto", help="[auto] = nginx if installed, else asyncio")
+    p.add_argument("--mitmdump", help="mitmdump binary (default: the project's venv)")
+    p.add_argument("--affidavit", help="affidavit binary (default: the project's venv)")
+    p.add_argument("--results-dir", type=Path, default=HERE / "results", help="[bench/results]")
+    p.add_argument("--keep-tmp", action="store_true", help="keep the temp dir (configs, logs, sqlite db)")
+    a = p.parse_args(argv)
+    quick, full = (
+        {"rounds": 1, "concurrency": [1, 32], "duration": 2.0},
+        {"rounds": 3, "concurrency": [1, 32, 128], "duration": 5.0},
+    )
+    for key, value in (quick if a.quick else full).items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    for path in a.paths:
+        if path not in ("http", "https"):
+            p.error(f"--paths: unknown path {path!r}")
+    for t in a.targets:
+        if t not in ALL_TARGETS + OPTIONAL_TARGETS:
+            p.error(f"--targets: unknown target {t!r}")
+    if any(c < 1 for c in a.concurrency) or a.rounds < 1 or a.duration <= 0 or a.warmup < 0:
+        p.error("concurrency and rounds must be >= 1, duration > 0, warmup >= 0")
+    return a
+
+
+# -- cleanup -----------------------------------------------------------------------------------
+
+
+class Cleanup:
+    """Idempotent LIFO cleanup, run from ``finally`` and (as a backstop) from ``atexit``."""
+
+    def __init__(self) -> None:
+        self._steps: list[tuple[str, Any]] = []
+
+    def push(self, what: str, fn: Any) -> None:
+        self._steps.append((what, fn))
+
+    def run(self) -> None:
+        while self._steps:
+            what, fn = self._steps.pop()
+            try:
+                problems = fn()
+                for problem in problems or []:
+                    print(f"cleanup: {problem}", file=sys.stderr)
+            except BaseException as exc:  # noqa: BLE001 - keep cleaning whatever happens
+                print(f"cleanup: {what} failed: {exc!r}", file=sys.stderr)
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+# -- one measurement ---------------------------------------------------------------------------
+
+
+@dataclass
+class Bench:
+    args: argparse.Namespace
+    pki: Pki
+    upstream: Upstream
+    targets: dict[str, Target] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # target -> why it stopped being measured
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    fails: list[str] = field(default_factory=list)  # loud problems: journal mismatches, errors
+
+    def plan(self, target: Target, path: str, concurrency: int, warmup: float, duration: float) -> dict[str, Any]:
+        direct = target.name == "direct"
+        watch = {"upstream": self.upstream.child.pid}
+        if not direct:
+            watch["proxy"] = target.child.pid
+        return {
+            "proxy_host": "127.0.0.1",
+            "proxy_port": target.port,
+            "path": path,
+            "target_host": "127.0.0.1" if path == "http" else "localhost",
+            "target_port": self.upstream.http_port if path == "http" else self.upstream.https_port,
+            "concurrency": concurrency,
+            "warmup": warmup,
+            "duration": duration,
+            # Bare gets the same Proxy-Authorization bytes, so both parse identical requests.
+            "auth": None if direct else f"{services.AGENT}:{services.TOKEN}",
+            "proxy_ca": str(target.ca),
+            "direct": direct,
+            "upstream_ca": str(self.pki.ca),
+            "watch": watch,
+            "pg_database": target.pg_database,
+        }
+
+    def measure(
+        self, target: Target, path: str, concurrency: int, *, warmup: float, duration: float, label: str
+    ) -> dict[str, Any]:
+        """One load-generator run against one target, with the journal count check around it."""
+        plan = self.plan(target, path, concurrency, warmup, duration)
+        record: dict[str, Any] = {"target": target.name, "path": path, "concurrency": concurrency, "label": label}
+        before = self._count(target)
+        timeout = 30 + warmup + duration + 10 + 30
+        try:
+            proc = subprocess.run(
+                [sys.executable, str(HERE / "loadgen.py"), "--plan", json.dumps(plan)],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                start_new_session=True,
+            )
+        except subprocess.TimeoutExpired:
+            record["fatal"] = f"load generator did not finish within {timeout:.0f}s"
+            return record
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if not lines:
+            record["fatal"] = f"load generator exited {proc.returncode} without a result: {proc.stderr.strip()[-800:]}"
+            return record
+        result = json.loads(lines[-1])
+        if "fatal" in result:
+            record["fatal"] = result["fatal"]
+            return record
+        record.update(result)
+        self._derive(record)
+        if before is not None:
+            self._check_journal(target, record, before)
+        return record
+
+    def _count(self, target: Target) -> int | None:
+        if target.count_invocations is None:
+            return None
+        try:
+            return target.count_invocations()
+        except Exception as exc:  # noqa: BLE001
+            self.fails.append(f"{target.name}: cannot count invocations: {exc}")
+            print(f"{LOUD}\nFAIL {target.name}: cannot count invocations: {exc}\n{LOUD}")
+            return None
+
+    def _check_journal(self, target: Target, record: dict[str, Any], before: int) -> None:
+        """Every request sent must be one row in ``invocations``. Rows may land a moment after the
+        response (write-behind), so poll - bounded - until the count reaches what was sent."""
+        expected = before + int(record["sent"])
+        deadline = time.monotonic() + 10
+        after = before
+        while True:
+            count = self._count(target)
+            if count is None:
+                return
+            after = count
+            if after >= expected or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        record["journal_rows"] = after - before
+        record["journal_ok"] = after == expected
+        if after != expected:
+            msg = (
+                f"{target.name} {record['label']}: journal grew by {after - before} invocations, "
+                f"the load generator sent {record['sent']} requests "
+                f"(unfinished {record.get('unfinished')}, errors {record.get('all_errors')})"
+            )
+            self.fails.append(msg)
+            print(f"{LOUD}\nFAIL {msg}\n{LOUD}", flush=True)
+
+    @staticmethod
+    def _derive(r: dict[str, Any]) -> None:
+        cpu = r["cpu_s"]
+        window = r["window_s"]
+        n = r["ok"] + r["errors_total"]
+        per = (lambda s: s / n * 1e6) if n else (lambda s: None)
+        r["proxy_us_per_req"] = per(cpu["proxy"]) if "proxy" in cpu else None
+        r["pg_us_per_req"] = per(cpu["pg_own"])
+        r["pg_all_us_per_req"] = per(cpu["pg_all"])
+        r["upstream_us_per_req"] = per(cpu["upstream"])
+        r["proxy_cores"] = cpu.get("proxy", 0.0) / window
+        r["loadgen_cores"] = cpu["loadgen"] / window
+        known = cpu.get("proxy", 0.0) + cpu["upstream"] + cpu["loadgen"] + cpu["pg_all"]
+        r["machine_cores"] = cpu["machine_busy"] / window
+        r["other_cores"] = max(0.0, (cpu["machine_busy"] - known) / window)
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+def source_digest() -> str:
+    """A digest of the broker's source as it is on disk now: the working tree may differ from
+    the commit (it is being edited), and results are only comparable for the same digest."""
+    h = hashlib.sha256()
+    for path in sorted([*(REPO / "proxy").rglob("*.py"), *(REPO / "migrations").rglob("*.py")]):
+        h.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def versions(args: argparse.Namespace, mitmdump: str | None, affidavit: str | None) -> dict[str, Any]:
+    from importlib import metadata
+
+    def pkg(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    def first_line(argv: list[str]) -> str | None:
+        try:
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+            return (out.stdout or out.stderr).strip().splitlines()[0]
+        except Exception:  # noqa: BLE001
+            return None
+
+    commit = dirty = None
+    try:
+        git = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        commit = git.stdout.strip() or None
+        status = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--", "proxy", "migrations"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        dirty = bool(status.stdout.strip())
+    except Exception:  # noqa: BLE001
+        pass
+    return {
+        "python": platform.python_version(),
+        "mitmproxy": pkg("mitmproxy"),
+        "mitmdump": first_line([mitmdump, "--version"]) if mitmdump else None,
+        "affidavit": pkg("affidavit"),
+        "affidavit_bin": affidavit,
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "proxy_source_sha256": source_digest(),
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu_count": os.cpu_count(),
+        "kernel": platform.release(),
+        "loadavg_at_start": os.getloadavg(),
+    }
+
+
+def start_targets(bench: Bench, tmp: Path, cleanup: Cleanup, mitmdump: str | None, affidavit: str | None) -> None:
+    """Start each selected proxy once; a failure is recorded and the others still start."""
+    for name in bench.args.targets:
+        t0 = time.monotonic()
+        try:
+            if name == "direct":
+                target = Target("direct", 0, bench.pki.ca, bench.upstream.child)
+            elif name == "bare":
+                if not mitmdump:
+                    raise StartError("no mitmdump binary found (use --mitmdump)")
+                target = services.start_bare(tmp, bench.pki, mitmdump)
+            else:
+                if not affidavit:
+                    raise StartError("no affidavit binary found (use --affidavit)")
+                db = "pg" if name == "affidavit-pg" else "sqlite"
+                target = services.start_affidavit(name, tmp, bench.pki, affidavit, bench.upstream, db)
+        except Exception as exc:  # noqa: BLE001 - report it; the other targets still run
+            bench.failed[name] = f"did not start: {exc}"
+            print(f"{LOUD}\nFAIL {name} did not start: {exc}\n{LOUD}", flush=True)
+            continue
+        bench.targets[name] = target
+        if name != "direct":
+            cleanup.push(f"stop {name}", lambda t=target: services.stop_target(t))
+        print(
+            f"  started {name:<17} pid {target.child.pid:<7} port {target.port:<6} in {time.monotonic() - t0:.1f}s",
+            flush=True,
+        )
+
+
+def smoke(bench: Bench) -> None:
+    """A short run per target and path before the matrix: catches a broken target early (and
+    lets mitmproxy mint its certificate for ``localhost`` outside the measurements)."""
+    for name, target in list(bench.targets.items()):
+        for path in bench.args.paths:
+            r = bench.measure(target, path, 1, warmup=0.0, duration=0.3, label=f"smoke {path}")
+            problem = r.get("fatal") or (
+                f"errors {r['all_errors']}" if r.get("all_errors") else ("no response" if not r.get("ok") else None)
+            )
+            if problem:
+                log = services.tail(target.child.log, 15)
+                bench.failed[name] = f"smoke test ({path}) failed: {problem}\n{log}"
+                print(f"{LOUD}\nFAIL {name} smoke test ({path}): {problem}\n{log}\n{LOUD}", flush=True)
+                del bench.targets[name]
+                break
+            print(f"  smoke {name:<17} {path:<5} ok ({r['ok']} requests, p50 {r['p50_ms']:.2f} ms)", flush=True)
+
+
+def run_matrix(bench: Bench) -> None:
+    a = bench.args
+    names = [t for t in a.targets if t in bench.targets]
+    cells = [(path, c) for path in a.paths for c in a.concurrency]
+    total = a.rounds * len(cells) * len(names)
+    done = 0
+    t0 = time.monotonic()
+    for rnd in range(a.rounds):
+        for path, conc in cells:
+            k = rnd % len(names) if names else 0
+            for name in names[k:] + names[:k]:  # rotate who goes first each round
+                done += 1
+                target = bench.targets.get(name)
+                if target is None:
+                    continue  # it died earlier
+                label = f"r{rnd + 1} {path} c{conc}"
+                r = bench.measure(target, path, conc, warmup=a.warmup, duration=a.duration, label=label)
+                r["round"] = rnd + 1
+                bench.runs.append(r)
+                elapsed = time.monotonic() - t0
+                head = f"[{done:>3}/{total}] {elapsed:5.0f}s  {label:<14} {name:<17}"
+                if "fatal" in r:
+                    print(f"{head} FAILED: {r['fatal']}", flush=True)
+                else:
+                    errs = f"  errors {r['errors']}" if r["errors"] else ""
+                    print(
+                        f"{head} {r['rps']:8.0f} req/s  p50 {r['p50_ms'] or 0:7.2f} ms  p99 {r['p99_ms'] or 0:7.2f} ms"
+                        f"  proxy {_fmt(r['proxy_us_per_req'], 0):>5} us/req"
+                        f"  pg {_fmt(r['pg_us_per_req'], 0):>4} us/req"
+                        f"  other {r['other_cores']:.2f} cores{errs}",
+                        flush=True,
+                    )
+                    if r["errors"]:
+                        bench.fails.append(f"{name} {label}: non-200 responses or failures {r['errors']}")
+                if name != "direct" and not target.child.alive():
+                    code = target.child.proc.returncode
+                    why = f"exited with code {code} during {label}:\n{services.tail(target.child.log)}"
+                    bench.failed[name] = why
+                    print(f"{LOUD}\nFAIL {name} {why}\n{LOUD}", flush=True)
+                    del bench.targets[name]
+                time.sleep(a.pause)
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def _fmt(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _median(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def summarize(bench: Bench) -> list[dict[str, Any]]:
+    """Medians over rounds per (path, concurrency, target); ratios are paired within a round."""
+    a = bench.args
+    ok_runs = [r for r in bench.runs if "fatal" not in r]
+    by_key: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for r in ok_runs:
+        by_key.setdefault((r["path"], r["concurrency"], r["target"]), []).append(r)
+    rows: list[dict[str, Any]] = []
+    for path in a.paths:
+        for conc in a.concurrency:
+            bare = {r["round"]: r for r in by_key.get((path, conc, "bare"), [])}
+            for name in a.targets:
+                runs = by_key.get((path, conc, name), [])
+                if not runs:
+                    continue
+                paired = [(r, bare[r["round"]]) for r in runs if r["round"] in bare]
+                row: dict[str, Any] = {
+                    "path": path,
+                    "concurrency": conc,
+                    "target": name,
+                    "rounds": len(runs),
+                    "rps": _median([r["rps"] for r in runs]),
+                    "p50_ms": _median([r["p50_ms"] for r in runs]),
+                    "p99_ms": _median([r["p99_ms"] for r in runs]),
+                    "proxy_us_per_req": _median([r["proxy_us_per_req"] for r in runs]),
+                    "pg_us_per_req": _median([r["pg_us_per_req"] for r in runs]),
+                    "upstream_us_per_req": _median([r["upstream_us_per_req"] for r in runs]),
+                    "proxy_cores": _median([r["proxy_cores"] for r in runs]),
+                    "loadgen_cores": _median([r["loadgen_cores"] for r in runs]),
+                    "other_cores": _median([r["other_cores"] for r in runs]),
+                    "errors": sum(r["errors_total"] for r in runs),
+                    "rps_vs_bare": _median([r["rps"] / b["rps"] for r, b in paired if b["rps"]]),
+                    "proxy_cpu_vs_bare": _median(
+                        [
+                            r["proxy_us_per_req"] / b["proxy_us_per_req"]
+                            for r, b in paired
+                            if r["proxy_us_per_req"] and b["proxy_us_per_req"]
+                        ]
+                    ),
+                    "added_p50_ms_vs_bare": _median(
+                        [
+                            r["p50_ms"] - b["p50_ms"]
+                            for r, b in paired
+                            if r["p50_ms"] is not None and b["p50_ms"] is not None
+                        ]
+                    )
+                    if conc == 1
+                    else None,
+                }
+                rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    cols: list[tuple[str, int, Callable[[dict[str, Any]], str]]] = [
+        ("path", 5, lambda r: r["path"]),
+        ("conc", 4, lambda r: str(r["concurrency"])),
+        ("target", 16, lambda r: r["target"]),
+        ("req/s", 7, lambda r: _fmt(r["rps"], 0)),
+        ("x bare", 6, lambda r: _fmt(r["rps_vs_bare"], 2)),
+        ("p50 ms", 7, lambda r: _fmt(r["p50_ms"], 2)),
+        ("p99 ms", 7, lambda r: _fmt(r["p99_ms"], 2)),
+        ("+p50 ms", 7, lambda r: _fmt(r["added_p50_ms_vs_bare"], 2)),
+        ("proxy us/req", 12, lambda r: _fmt(r["proxy_us_per_req"], 0)),
+        ("cpu x bare", 10, lambda r: _fmt(r["proxy_cpu_vs_bare"], 2)),
+        ("pg us/req", 9, lambda r: _fmt(r["pg_us_per_req"], 0)),
+        ("errors", 6, lambda r: str(r["errors"])),
+    ]
+    header = "  ".join(f"{name:>{w}}" if i > 2 else f"{name:<{w}}" for i, (name, w, _) in enumerate(cols))
+    print(header)
+    print("-" * len(header))
+    last = None
+    for r in rows:
+        if last is not None and (r["path"], r["concurrency"]) != last:
+            print()
+        last = (r["path"], r["concurrency"])
+        print("  ".join(f"{fn(r):>{w}}" if i > 2 else f"{fn(r):<{w}}" for i, (_, w, fn) in enumerate(cols)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = dt.datetime.now(dt.UTC)
+    mitmdump = services.find_tool("mitmdump", args.mitmdump)
+    affidavit = services.find_tool("affidavit", args.affidavit)
+    meta = versions(args, mitmdump, affidavit)
+    print(
+        f"affidavit bench: python {meta['python']}, mitmproxy {meta['mitmproxy']}, nproc {meta['nproc']}, "
+        f"affidavit {meta['affidavit']} (commit {meta['git_commit'] or '-'}{'+dirty' if meta['git_dirty'] else ''}, "
+        f"source {meta['proxy_source_sha256']}), load {meta['loadavg_at_start'][0]:.2f}"
+    )
+    print(
+        f"matrix: paths {','.join(args.paths)} x concurrency {','.join(map(str, args.concurrency))} x "
+        f"targets {','.join(args.targets)}; {args.rounds} round(s) of {args.warmup:g}s warm-up + {args.duration:g}s",
+        flush=True,
+    )
+
+    cleanup = Cleanup()
+    atexit.register(cleanup.run)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupt)
+    tmp = Path(tempfile.mkdtemp(prefix="affidavit-bench-"))
+    keep_tmp = args.keep_tmp
+    bench: Bench | None = None
+    interrupted = False
+    try:
+        pki = services.make_pki(tmp / "pki")
+        upstream = services.start_upstream(args.upstream, tmp, pki)
+        cleanup.push("stop upstream", upstream.child.stop)
+        print(f"upstream: {upstream.kind} ({upstream.version}) http :{upstream.http_port} https :{upstream.https_port}")
+        meta["upstream"] = {"kind": upstream.kind, "version": upstream.version}
+        bench = Bench(args, pki, upstream)
+        start_targets(bench, tmp, cleanup, mitmdump, affidavit)
+        smoke(bench)
+        if "bare" not in bench.targets:
+            print("note: bare mitmdump is not running, so there are no ratios against it")
+        run_matrix(bench)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted: stopping everything", file=sys.stderr)
+    except StartError as exc:
+        print(f"{LOUD}\nFAIL {exc}\n{LOUD}", file=sys.stderr)
+        keep_tmp = True
+    finally:
+        cleanup.run()
+
+    if bench is None:
+        if not keep_tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return 130 if interrupted else 2
+    rows = summarize(bench)
+    print()
+    print(f"medians over {args.rounds} round(s); 'x bare' and '+p50' are paired with bare in the same round")
+    print_table(rows)
+    noise = [r["other_cores"] for r in bench.runs if "other_cores" in r]
+    if noise:
+        median, top = statistics.median(noise), max(noise)
+        print(f"\noutside load during runs (cores used by other processes): median {median:.2f}, max {top:.2f}")
+    busy_loadgen = [r for r in bench.runs if r.get("loadgen_cores", 0) > 0.8 and r["target"] != "direct"]
+    if busy_loadgen:
+        print(f"warning: the load generator used > 0.8 core in {len(busy_loadgen)} run(s); those may be client-bound")
+
+    problems = [f"{name}: {why}" for name, why in bench.failed.items()] + bench.fails
+    if problems:
+        keep_tmp = True
+        print(f"\n{LOUD}\nFAIL: {len(problems)} problem(s):")
+        for p in problems:
+            print(f"  - {p.splitlines()[0]}")
+        print(LOUD)
+
+    finished = dt.datetime.now(dt.UTC)
+    meta.update(
+        {
+            "started": started.isoformat(),
+            "finished": finished.isoformat(),
+            "seconds": round((finished - started).total_seconds(), 1),
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "interrupted": interrupted,
+        }
+    )
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    out = args.results_dir / f"{started.strftime('%Y%m%dT%H%M%SZ')}.json"
+    out.write_text(
+        json.dumps(
+            {"meta": meta, "summary": rows, "runs": bench.runs, "failed_targets": bench.failed, "fails": bench.fails},
+            indent=2,
+        )
+    )
+    print(f"\nresults: {out}  ({meta['seconds']:.0f}s)")
+    if keep_tmp:
+        print(f"temp dir kept (configs, logs): {tmp}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if interrupted:
+        return 130
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Test-only failpoints at the boundaries between durable steps.
+
+Inert unless ``AFFIDAVIT_FAILPOINTS`` is set when the process starts, e.g.::
+
+    AFFIDAVIT_FAILPOINTS="after_dispatch_commit=kill;after_lease=pause:3@1"
+
+Each entry is ``name=action[@count]``; actions are ``kill`` (SIGKILL this process: no clean-up,
+no flush, like a crash), ``raise`` (an exception at that point), and ``pause:SECONDS``.
+``@count`` fires the failpoint only that many times. A process started without the variable
+pays one dictionary lookup per failpoint and nothing else.
+
+Names (see :data:`NAMES`) are documented in docs/operations.md; an unknown name in the variable is
+an error at start, so a typo cannot silently disable a crash test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+log = logging.getLogger("affidavit.failpoints")
+
+ENV = "AFFIDAVIT_FAILPOINTS"
+
+NAMES = frozenset(
+    {
+        "before_credential",  # after PREFLIGHT_VALIDATED is durable, before the secret is read
+        "during_tls",  # the new upstream connection is established, DISPATCH_STARTED not yet written
+        "after_dispatch_commit",  # DISPATCH_STARTED durable, no request byte written yet
+        "after_request_sent",  # the whole request was handed to the transport
+        "mid_response_headers",  # response headers are being received
+        "mid_response_body",  # the framed body is being read
+        "after_response_complete",  # the response is complete, nothing about it recorded yet
+        "after_result_commit",  # RESULT_COMMITTED durable, not yet handed to the caller
+        "during_delivery",  # the response is being handed to the caller
+        "after_lease",  # a re-send took its lease, DISPATCH_STARTED not yet written
+        "journal_before_commit",  # the journal writer is about to commit a batch
+    }
+)
+
+
+class FailpointError(RuntimeError):
+    """Raised by a failpoint whose action is ``raise``."""
+
+
+@dataclass
+class _Action:
+    kind: str
+    seconds: float = 0.0
+    remaining: int | None = None
+
+
+def _parse(spec: str) -> dict[str, _Action]:
+    actions: dict[str, _Action] = {}
+    for entry in filter(None, (part.strip() for part in spec.split(";"))):
+        name, _, action = entry.partition("=")
+        if name not in NAMES:
+            raise ValueError(f"{ENV}: unknown failpoint {name!r} (known: {', '.join(sorted(NAMES))})")
+        action, _, count = action.partition("@")
+        kind, _, arg = action.partition(":")
+        if kind not in ("kill", "raise", "pause"):
+            raise ValueError(f"{ENV}: {name}: action must be kill, raise or pause:SECONDS")
+        actions[name] = _Action(kind, float(arg or 0), int(count) if count else None)
+    return actions
+
+
+_ACTIVE: dict[str, _Action] = _parse(os.environ.get(ENV, ""))
+
+
+def active() -> bool:
+    return bool(_ACTIVE)
+
+
+async def failpoint(name: str) -> None:
+    """Act if the failpoint ``name`` is armed; otherwise return at once."""
+    if not _ACTIVE:
+        return
+    action = _ACTIVE.get(name)
+    if action is None or action.remaining == 0:
+        return
+    if action.remaining is not None:
+        action.remaining -= 1
+    log.warning("failpoint %s: %s", name, action.kind)
+    if action.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action.kind == "raise":
+        raise FailpointError(f"failpoint {name}")
+    else:
+        await asyncio.sleep(action.seconds)

@@ -1,0 +1,342 @@
+"""Safe retries: idempotency keys, replay, leases and fencing, across broker replicas.
+
+Upstreams honour the key, ignore it, or are strict about it; every test counts the effects the
+upstream really applied.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import secrets
+import threading
+import time
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import DIALECTS, database_url, new_broker
+from tests.support.broker import BrokerProcess
+from tests.support.certs import TestPKI
+from tests.support.envelopes import check_envelope
+from tests.support.hostile import HostileUpstream
+from tests.support.journal import query
+
+PAY = "https://pay.example.test"
+NO_CONTRACT = "https://pay-nc.example.test"
+SHORT = "https://pay-short.example.test"
+PUT = "https://put.example.test"
+TIGHT = "https://pay-tight.example.test"
+
+
+def retry_routes(up: HostileUpstream) -> list[dict[str, Any]]:
+    good = f"127.0.0.1:{up.tls_port('good')}"
+    base = {"agents": ["builder"], "connect_to": good, "response_timeout": "3s", "result_horizon": "4s"}
+    credential = {"credential": "payments-key", "inject": {"header": "Authorization", "value": "Bearer {secret}"}}
+    return [
+        {"name": "pay", "host": "pay.example.test", "methods": ["POST"], **base, **credential,
+         "idempotency": {"header": "Idempotency-Key", "scope": "payments.create", "retention": "1h"}},
+        {"name": "pay-nc", "host": "pay-nc.example.test", "methods": ["POST"], **base},
+        {"name": "pay-short", "host": "pay-short.example.test", "methods": ["POST"], **base,
+         "idempotency": {"header": "Idempotency-Key", "scope": "short", "retention": "1s"}},
+        {"name": "put", "host": "put.example.test", "methods": ["PUT", "GET"], **base},
+        {"name": "pay-tight", "host": "pay-tight.example.test", "methods": ["POST"], **base, "retry_budget": 1,
+         "idempotency": {"header": "Idempotency-Key", "scope": "tight", "retention": "1h"}},
+    ]
+
+
+@pytest.fixture(scope="module", params=DIALECTS)
+def broker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, pki: TestPKI, upstream_server: HostileUpstream) -> Iterator[BrokerProcess]:
+    workdir = tmp_path_factory.mktemp(f"retries-{request.param}")
+    process = new_broker(workdir, database_url(request.param, workdir, request), pki, retry_routes(upstream_server))
+    process.start()
+    yield process
+    process.stop()
+
+
+def key() -> str:
+    return "k_" + secrets.token_hex(8)
+
+
+def post(client: httpx.Client, url: str, idem: str | None, body: bytes = b'{"amount":100}') -> httpx.Response:
+    headers = {"Content-Type": "application/json"}
+    if idem is not None:
+        headers["Idempotency-Key"] = idem
+    return client.post(url, content=body, headers=headers)
+
+
+def sent(up: HostileUpstream) -> list:
+    return [r for r in up.received if r.method]
+
+
+def test_a_committed_result_is_replayed_from_the_journal(broker, upstream):
+    k = key()
+    with broker.client() as client:
+        first = post(client, PAY + "/h/idem_honour?code=201", k)
+        again = post(client, PAY + "/h/idem_honour?code=201", k)
+    assert first.status_code == again.status_code == 201
+    assert "affidavit-replayed" not in first.headers
+    assert again.headers["affidavit-replayed"] == "true"
+    assert again.content == first.content
+    assert again.headers["affidavit-invocation-id"] == first.headers["affidavit-invocation-id"]
+    assert len(sent(upstream)) == 1 and upstream.effects == 1
+    record = broker.invocation(first.headers["affidavit-invocation-id"])
+    assert record["replays"] == 1
+    assert record["idempotency"]["key"] == k and record["idempotency"]["remote_contract"] == "configured"
+    assert sent(upstream)[0].header("Idempotency-Key") == k
+
+
+def test_the_same_key_with_a_different_body_is_refused_locally(broker, upstream):
+    k = key()
+    with broker.client() as client:
+        first = post(client, PAY + "/h/idem_strict?code=201", k, b'{"amount":100}')
+        changed = post(client, PAY + "/h/idem_strict?code=201", k, b'{"amount":999}')
+    assert first.status_code == 201
+    assert changed.status_code == 422
+    body = check_envelope(changed.content)
+    assert body["error"]["code"] == "IDEMPOTENCY_MISMATCH" and body["error"]["outcome"] == "not_attempted"
+    assert body["invocation_id"] == first.headers["affidavit-invocation-id"]
+    assert len(sent(upstream)) == 1 and upstream.effects == 1
+
+
+def test_a_repeat_while_in_flight_gets_409_and_sends_nothing(broker, upstream):
+    k = key()
+    results: dict[str, httpx.Response] = {}
+
+    def slow() -> None:
+        with broker.client() as client:
+            results["first"] = post(client, PAY + "/h/slow?delay=1.5", k)
+
+    thread = threading.Thread(target=slow)
+    thread.start()
+    upstream.wait_for_requests(1, timeout=5)
+    with broker.client() as client:
+        second = post(client, PAY + "/h/slow?delay=1.5", k)
+    thread.join(10)
+    assert second.status_code == 409
+    assert check_envelope(second.content)["error"]["code"] == "IDEMPOTENCY_IN_PROGRESS"
+    assert results["first"].status_code == 200
+    assert len(sent(upstream)) == 1 and upstream.effects == 1
+
+
+@pytest.mark.parametrize(("behaviour", "effects"), [("idem_honour", 1), ("idem_ignore", 2), ("idem_strict", 1)])
+def test_an_unknown_outcome_under_a_remote_contract_is_resent_with_the_same_key(broker, upstream, behaviour, effects):
+    k = key()
+    url = f"{PAY}/h/{behaviour}?code=201&lose=1"
+    with broker.client() as client:
+        lost = post(client, url, k)
+        body = check_envelope(lost.content)
+        assert (lost.status_code, body["error"]["outcome"], body["error"]["retry"]) == (502, "unknown", "same_idempotency_key")
+        assert broker.invocation(body["invocation_id"])["next_action"] == "retry_same_key"
+        retried = post(client, url, k)
+        replayed = post(client, url, k)
+    assert retried.status_code == 201 and retried.headers["affidavit-outcome"] == "committed"
+    assert retried.headers["affidavit-invocation-id"] == body["invocation_id"]
+    assert replayed.headers["affidavit-replayed"] == "true" and replayed.content == retried.content
+    attempts = sent(upstream)
+    assert len(attempts) == 2, "one original, one re-send, and the replay never reached the upstream"
+    assert {a.header("Idempotency-Key") for a in attempts} == {k}
+    assert upstream.effects_by_key[k] == effects
+    record = broker.invocation(body["invocation_id"])
+    assert record["outcome"] == "committed" and record["retry_budget"]["used"] == 1
+    assert [a["n"] for a in record["evidence"]["attempts"]] == [1, 2]
+    kinds = [e["kind"] for e in record["events"]]
+    assert kinds.count("DISPATCH_STARTED") == 2 and kinds.count("FAILED") == 1
+
+
+def test_without_a_declared_contract_an_unknown_post_needs_reconciliation(broker, upstream):
+    k = key()
+    with broker.client() as client:
+        lost = post(client, NO_CONTRACT + "/h/close_after_effect", k)
+        again = post(client, NO_CONTRACT + "/h/close_after_effect", k)
+    assert check_envelope(lost.content)["error"]["retry"] == "reconcile"
+    assert again.status_code == 409
+    refused = check_envelope(again.content)
+    assert refused["error"]["code"] == "RECONCILE_REQUIRED" and refused["error"]["outcome"] == "unknown"
+    assert refused["evidence"]["dispatch_started"] is True
+    assert len(sent(upstream)) == 1 and upstream.effects == 1
+    # The agent's own key goes upstream as sent; the broker adds no idempotency header itself.
+    assert sent(upstream)[0].header("Idempotency-Key") == k
+
+
+def test_a_route_without_a_contract_never_gets_a_broker_made_key(broker, upstream):
+    with broker.client() as client:
+        response = post(client, NO_CONTRACT + "/h/ok", None)
+    assert response.status_code == 200 and "affidavit-idempotency-key" not in response.headers
+    assert sent(upstream)[0].header("Idempotency-Key") is None
+
+
+def test_a_declared_contract_gets_a_generated_key_the_agent_can_retry_with(broker, upstream):
+    with broker.client() as client:
+        lost = post(client, PAY + "/h/idem_honour?code=201&lose=1", None)
+        body = check_envelope(lost.content)
+        generated = lost.headers["affidavit-idempotency-key"]
+        assert body["evidence"]["idempotency"]["key"] == generated and generated.startswith("afk_")
+        retried = post(client, PAY + "/h/idem_honour?code=201&lose=1", generated)
+    assert retried.status_code == 201
+    assert retried.headers["affidavit-invocation-id"] == body["invocation_id"]
+    assert [a.header("Idempotency-Key") for a in sent(upstream)] == [generated, generated]
+    assert upstream.effects == 1
+
+
+def test_an_idempotent_operation_is_attempted_again(broker, upstream):
+    k = key()
+    url = PUT + "/h/idem_ignore?code=200&lose=1"
+    with broker.client() as client:
+        lost = client.put(url, content=b"{}", headers={"Idempotency-Key": k})
+        assert check_envelope(lost.content)["error"]["retry"] == "backoff"
+        again = client.put(url, content=b"{}", headers={"Idempotency-Key": k})
+    assert again.status_code == 200 and again.headers["affidavit-outcome"] == "committed"
+    assert upstream.effects == 2 and len(sent(upstream)) == 2
+    assert [a.header("Idempotency-Key") for a in sent(upstream)] == [k, k]
+
+
+def test_after_the_retention_window_resends_stop(broker, upstream):
+    k = key()
+    url = SHORT + "/h/idem_honour?lose=1"
+    with broker.client() as client:
+        lost = post(client, url, k)
+        assert check_envelope(lost.content)["error"]["retry"] == "same_idempotency_key"
+        time.sleep(1.3)
+        late = post(client, url, k)
+    assert late.status_code == 409
+    assert check_envelope(late.content)["error"]["code"] == "RECONCILE_REQUIRED"
+    record = broker.invocation(check_envelope(lost.content)["invocation_id"])
+    assert record["retry"] == "reconcile" and record["next_action"] == "reconcile"
+    assert len(sent(upstream)) == 1
+
+
+def test_the_retry_budget_is_durable_across_a_restart(broker, upstream):
+    k = key()
+    url = TIGHT + "/h/idem_ignore?lose=all"
+    with broker.client() as client:
+        first = post(client, url, k)
+        second = post(client, url, k)  # the one re-send the budget allows
+        third = post(client, url, k)
+    assert check_envelope(second.content)["error"]["outcome"] == "unknown"
+    exhausted = check_envelope(third.content)
+    assert third.status_code == 429 and exhausted["error"]["code"] == "RETRY_BUDGET_EXHAUSTED"
+    assert exhausted["evidence"]["dispatch_started"] is True and len(exhausted["evidence"]["attempts"]) == 2
+    broker.stop()
+    broker.start()
+    with broker.client() as client:
+        after = post(client, url, k)
+    assert after.status_code == 429 and check_envelope(after.content)["error"]["code"] == "RETRY_BUDGET_EXHAUSTED"
+    assert len(sent(upstream)) == 2
+    invocation_id = check_envelope(first.content)["invocation_id"]
+    assert query(broker.database_url, f"SELECT generation, retry_budget FROM invocations WHERE invocation_id = '{invocation_id}'") == [("1", "1")]
+
+
+# -- several brokers, one PostgreSQL -----------------------------------------------------------
+
+
+def _unknown_invocation(broker: BrokerProcess, k: str, url: str) -> str:
+    with broker.client() as client:
+        lost = post(client, url, k)
+    body = check_envelope(lost.content)
+    assert body["error"]["outcome"] == "unknown"
+    return body["invocation_id"]
+
+
+def test_twenty_concurrent_retries_over_three_brokers_send_exactly_one(make_broker, upstream):
+    routes = retry_routes(upstream)
+    a = make_broker("postgresql", routes=routes)
+    b = make_broker(routes=routes, like=a)
+    c = make_broker(routes=routes, like=a)
+    k = key()
+    url = PAY + "/h/idem_honour?code=201&lose=1&delay=3"  # the re-send takes 3 s to answer
+    invocation_id = _unknown_invocation(a, k, url)
+    clients = [broker.client() for broker in (a, b, c)]
+    barrier = threading.Barrier(20)
+
+    def retry(n: int) -> httpx.Response:
+        barrier.wait(10)
+        return post(clients[n % 3], url, k)
+
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        answers = list(pool.map(retry, range(20)))
+    for client in clients:
+        client.close()
+    statuses = sorted(r.status_code for r in answers)
+    assert all(r.headers["affidavit-invocation-id"] == invocation_id for r in answers)
+    fresh = [r for r in answers if r.status_code == 201 and "affidavit-replayed" not in r.headers]
+    assert len(fresh) == 1, statuses
+    for r in answers:
+        if r.status_code != 201:
+            assert r.status_code == 409 and check_envelope(r.content)["error"]["code"] == "IDEMPOTENCY_IN_PROGRESS"
+    assert statuses.count(409) >= 5, "the retries overlapped the re-send"
+    assert len(sent(upstream)) == 2, "exactly one re-send reached the upstream"
+    assert upstream.effects_by_key[k] == 1
+    # Afterwards any replica replays it.
+    for broker in (a, b, c):
+        with broker.client() as client:
+            replay = post(client, url, k)
+        assert replay.status_code == 201 and replay.headers["affidavit-replayed"] == "true"
+    assert len(sent(upstream)) == 2
+
+
+def test_a_stale_lease_holder_is_fenced_before_it_dispatches(make_broker, upstream):
+    routes = retry_routes(upstream)
+    stale = make_broker("postgresql", routes=routes, env={"AFFIDAVIT_FAILPOINTS": "after_lease=pause:3@1"}, proxy={"retry_lease": "1s"})
+    fresh = make_broker(routes=routes, like=stale, proxy={"retry_lease": "1s"})
+    k = key()
+    url = PAY + "/h/idem_honour?code=201&lose=1"
+    invocation_id = _unknown_invocation(fresh, k, url)
+    outcome: dict[str, httpx.Response] = {}
+
+    def through_stale() -> None:
+        with stale.client() as client:
+            outcome["stale"] = post(client, url, k)
+
+    thread = threading.Thread(target=through_stale)
+    thread.start()
+    time.sleep(1.6)  # the stale broker holds the lease, paused; the lease runs out
+    with fresh.client() as client:
+        won = post(client, url, k)
+    thread.join(15)
+    assert won.status_code == 201
+    lost = outcome["stale"]
+    assert lost.status_code == 409
+    assert check_envelope(lost.content)["error"]["code"] == "LEASE_LOST"
+    assert len(sent(upstream)) == 2, "the stale broker sent nothing"
+    record = fresh.invocation(invocation_id)
+    assert record["outcome"] == "committed"
+    assert [e["kind"] for e in record["events"]].count("DISPATCH_STARTED") == 2
+    assert record["retry_budget"]["used"] == 2
+
+
+def test_a_lease_that_ran_out_fences_its_holder_even_without_a_competitor(make_broker, upstream):
+    routes = retry_routes(upstream)
+    slow = make_broker("postgresql", routes=routes, env={"AFFIDAVIT_FAILPOINTS": "after_lease=pause:1.5@1"}, proxy={"retry_lease": "0.5s"})
+    k = key()
+    url = PAY + "/h/idem_honour?code=201&lose=1"
+    invocation_id = _unknown_invocation(slow, k, url)
+    with slow.client() as client:
+        late = post(client, url, k)
+    assert late.status_code == 409 and check_envelope(late.content)["error"]["code"] == "LEASE_LOST"
+    assert len(sent(upstream)) == 1, "an expired lease holder never dispatches"
+    assert slow.invocation(invocation_id)["outcome"] == "unknown"
+    with slow.client() as client:
+        retried = post(client, url, k)
+    assert retried.status_code == 201 and len(sent(upstream)) == 2
+
+
+def test_a_broker_killed_after_taking_a_lease_leaves_budget_and_generation_intact(make_broker, upstream):
+    routes = retry_routes(upstream)
+    doomed = make_broker("postgresql", routes=routes, env={"AFFIDAVIT_FAILPOINTS": "after_lease=kill"}, proxy={"retry_lease": "1s"})
+    k = key()
+    url = PAY + "/h/idem_honour?code=201&lose=1"
+    invocation_id = _unknown_invocation(doomed, k, url)
+    with doomed.client() as client:
+        with pytest.raises(httpx.HTTPError):
+            post(client, url, k)
+    doomed.kill()
+    row = query(doomed.database_url, f"SELECT generation, outcome, stage FROM invocations WHERE invocation_id = '{invocation_id}'")
+    assert row == [("1", "unknown", "ended_unknown")]
+    survivor = make_broker(routes=routes, like=doomed, proxy={"retry_lease": "1s"})
+    time.sleep(1.1)  # the dead broker's lease runs out
+    with survivor.client() as client:
+        retried = post(client, url, k)
+    assert retried.status_code == 201
+    assert query(doomed.database_url, f"SELECT generation FROM invocations WHERE invocation_id = '{invocation_id}'") == [("2",)]
+    assert len(sent(upstream)) == 2 and upstream.effects_by_key[k] == 1
