@@ -131,6 +131,39 @@ class UpstreamSection(_Section):
     max_response_body: ByteSize = ByteSize(32 * 1024 * 1024)
 
 
+_KEY_ENTRY = re.compile(r"^([A-Za-z0-9_.-]{1,64})=((?:env|file):.+)$")
+
+
+def _check_key_entry(value: str) -> str:
+    if not isinstance(value, str) or not _KEY_ENTRY.match(value):
+        raise ValueError("each key is 'ID=env:NAME' or 'ID=file:/path' (the source holds 32 random bytes, base64)")
+    return value
+
+
+KeyEntry = Annotated[str, BeforeValidator(_check_key_entry)]
+
+
+class CryptoSection(_Section):
+    """AES-256-GCM keys for event payloads, stored results and the vault.
+
+    The first key encrypts everything new; every listed key can decrypt, so a key is rotated by
+    putting a new one first and keeping the old one listed until nothing needs it. With no key,
+    payloads and results are stored unencrypted and the vault is locked.
+    """
+
+    keys: list[KeyEntry] = Field(default_factory=list)
+
+    @field_validator("keys")
+    @classmethod
+    def _distinct(cls, keys: list[str]) -> list[str]:
+        _unique("crypto.keys", [k.split("=", 1)[0] for k in keys])
+        return keys
+
+    def entries(self) -> list[tuple[str, str]]:
+        """(key id, source) pairs, encrypting key first."""
+        return [tuple(k.split("=", 1)) for k in self.keys]  # type: ignore[misc]
+
+
 class Agent(_Section):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     token: SecretSource
@@ -250,6 +283,7 @@ class Settings(BaseSettings):
     api: ApiSection = ApiSection()
     database: DatabaseSection = DatabaseSection()
     upstream: UpstreamSection = UpstreamSection()
+    crypto: CryptoSection = CryptoSection()
     agents: list[Agent] = Field(default_factory=list)
     secrets: list[Secret] = Field(default_factory=list)
     routes: list[Route] = Field(default_factory=list)
