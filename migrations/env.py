@@ -8,6 +8,7 @@ from alembic import context
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
+import proxy.store.vault_schema  # noqa: F401  (its tables share the metadata)
 from proxy.store.schema import metadata
 
 config = context.config

@@ -19,9 +19,10 @@ from http import HTTPStatus
 from mitmproxy import http
 from mitmproxy.connection import Client, ConnectionState
 
-from .broker import AgentRequest, Broker, Reply
+from .broker import AgentRequest, Broker, Reply, should_retry
 from .contract import Code, Outcome, Phase, Retry
 from .envelope import MEDIA_TYPE, encode, envelope
+from .failpoints import failpoint
 
 log = logging.getLogger("affidavit.addon")
 
@@ -53,7 +54,7 @@ def _reply_to_response(reply: Reply) -> http.Response:
 
 def _refusal(status: int, code: Code, message: str, extra_headers: list[tuple[str, str]] | None = None) -> http.Response:
     body = envelope(None, code, Phase.VALIDATION, Outcome.NOT_ATTEMPTED, Retry.AFTER_CORRECTION, message)
-    headers = [("Content-Type", MEDIA_TYPE), *(extra_headers or [])]
+    headers = [("Content-Type", MEDIA_TYPE), *should_retry(Retry.AFTER_CORRECTION), *(extra_headers or [])]
     return _reply_to_response(Reply(status, headers, encode(body)))
 
 
@@ -166,10 +167,11 @@ class BrokerAddon:
             log.exception("the broker failed on a request; answering with an envelope")
             flow.response = _internal_error()
 
-    def response(self, flow: http.HTTPFlow) -> None:
+    async def response(self, flow: http.HTTPFlow) -> None:
         reply = self._unsent.pop(flow.id, None)
         if reply is None:
             return
+        await failpoint("during_delivery")
         try:
             if flow.error is None and flow.client_conn.timestamp_end is None:
                 if reply.delivered is not None:
@@ -229,4 +231,4 @@ def _internal_error() -> http.Response:
         "The broker hit an internal error while handling this request and cannot say whether it was "
         "sent. Do not re-send blindly; operators: see the broker log and the journal.",
     )
-    return _reply_to_response(Reply(500, [("Content-Type", MEDIA_TYPE)], encode(body)))
+    return _reply_to_response(Reply(500, [("Content-Type", MEDIA_TYPE), *should_retry(Retry.RECONCILE)], encode(body)))

@@ -5,23 +5,25 @@ invocations; the operator token sees everything. An id the caller may not see is
 exactly like an id that does not exist (404), so ids cannot be probed.
 """
 
+import asyncio
 import hmac
-import json
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from . import VERSION
-from .broker import INVOCATION_HEADER, OUTCOME_HEADER, REPLAYED_HEADER, note_replay
+from . import VERSION, metrics
+from . import decisions
+from .broker import INVOCATION_HEADER, OUTCOME_HEADER, REPLAYED_HEADER, Broker, LookupUnavailable, note_replay
 from .contract import project
 from .store.journal import Journal
 from .contract import Code, Outcome, Phase, Retry
 from .envelope import MEDIA_TYPE, envelope
-from .invocation_view import describe
+from .invocation_view import describe, iso
 from .store import queries
 
 
@@ -48,11 +50,29 @@ def _problem(status: int, title: str, detail: str, headers: dict[str, str] | Non
     )
 
 
+class ReconcileBody(BaseModel):
+    """An operator's finding about an invocation's effect (or a request to look it up)."""
+
+    model_config = ConfigDict(extra="forbid")
+    outcome: Literal["committed", "rejected", "partial_effect"] | None = None
+    certainty: Literal["operator_attested", "remote_query"] = "operator_attested"
+    reference: str | None = Field(default=None, max_length=500, description="the remote's id for the operation")
+    note: str | None = Field(default=None, max_length=2000)
+    lookup: bool = Field(default=False, description="ask the remote through the route's declared lookup")
+
+
+class DecisionBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    decision: Literal["approve", "deny"]
+    note: str | None = Field(default=None, max_length=2000)
+
+
 def create_app(
     engine: AsyncEngine,
     agent_tokens: dict[str, str],
     operator_token: str | None,
-    journal: Journal | None = None,
+    journal: Journal,
+    broker: Broker | None = None,
 ) -> FastAPI:
     app = FastAPI(
         title="Affidavit side API",
@@ -99,16 +119,21 @@ def create_app(
     @app.get("/readyz", tags=["health"], summary="Readiness: the journal answers")
     async def readyz() -> Response:
         try:
-            await queries.ping(engine)
+            await asyncio.wait_for(queries.ping(engine), 3.0)
         except Exception:
             return JSONResponse({"status": "unavailable", "journal": "unreachable"}, status_code=503)
-        return JSONResponse({"status": "ready", "journal": "ok"})
+        last_write = "ok" if journal.healthy else "failed"
+        return JSONResponse({"status": "ready", "journal": "ok", "last_write": last_write})
+
+    @app.get("/metrics", tags=["health"], summary="Prometheus metrics (operator)")
+    async def prometheus(_who: Annotated[Principal, Depends(operator_only)]) -> Response:
+        body, content_type = metrics.exposition()
+        return Response(content=body, media_type=content_type)
 
     @app.get("/v1/invocations/{invocation_id}", tags=["invocations"], summary="One invocation's record")
     async def get_invocation(invocation_id: str, who: Annotated[Principal, Depends(principal)]) -> dict[str, Any]:
         row = await visible(invocation_id, who)
-        rows = await queries.event_rows(engine, invocation_id)
-        events = queries.decode_events(rows)
+        rows, events = await queries.events_of(engine, invocation_id, journal.decode_payload)
         return describe(row, events, operator=who.operator, event_times={r["seq"]: r["at"] for r in rows})
 
     @app.get(
@@ -119,9 +144,9 @@ def create_app(
     )
     async def get_result(invocation_id: str, who: Annotated[Principal, Depends(principal)]) -> Response:
         row = await visible(invocation_id, who)
-        stored = await queries.result(engine, invocation_id)
+        stored = await queries.stored_result(engine, invocation_id, journal.decode_result)
         if stored is None:
-            events = queries.decode_events(await queries.event_rows(engine, invocation_id))
+            _, events = await queries.events_of(engine, invocation_id, journal.decode_payload)
             view = describe(row, events)
             body = envelope(
                 invocation_id,
@@ -133,10 +158,9 @@ def create_app(
                 {k: view["evidence"][k] for k in ("dispatch_started", "request_complete", "response_headers_received", "response_complete")},
             )
             return JSONResponse(body, status_code=409, media_type=MEDIA_TYPE, headers={INVOCATION_HEADER: invocation_id})
-        if journal is not None:
-            events = queries.decode_events(await queries.event_rows(engine, invocation_id))
-            await note_replay(journal, row, project(events), "side_api")
-        headers = [(k, v) for k, v in json.loads(stored["headers"]) if k.lower() not in ("content-length", "transfer-encoding", "connection")]
+        _, events = await queries.events_of(engine, invocation_id, journal.decode_payload)
+        await note_replay(journal, row, project(events), "side_api")
+        headers = [(k, v) for k, v in stored["headers"] if k.lower() not in ("content-length", "transfer-encoding", "connection")]
         response = Response(content=bytes(stored["body"]), status_code=stored["status"])
         for k, v in headers:
             response.headers.append(k, v)
@@ -144,6 +168,62 @@ def create_app(
         response.headers[OUTCOME_HEADER] = row["outcome"]
         response.headers[REPLAYED_HEADER] = "true"
         return response
+
+    async def view(invocation_id: str) -> dict[str, Any]:
+        row = await queries.invocation(engine, invocation_id)
+        assert row is not None
+        rows, events = await queries.events_of(engine, invocation_id, journal.decode_payload)
+        return describe(row, events, operator=True, event_times={r["seq"]: r["at"] for r in rows})
+
+    @app.post("/v1/invocations/{invocation_id}/reconcile", tags=["operators"],
+              summary="Append what is known about the effect (operator); the original record stays")
+    async def reconcile_invocation(
+        invocation_id: str, body: ReconcileBody, who: Annotated[Principal, Depends(operator_only)]
+    ) -> dict[str, Any]:
+        row = await visible(invocation_id, who)
+        outcome, certainty, reference, note = body.outcome, body.certainty, body.reference, body.note
+        lookup = None
+        if body.lookup:
+            if broker is None:
+                raise ApiError(503, "Unavailable", "This process cannot perform lookups.")
+            try:
+                lookup = await broker.lookup(row)
+            except LookupUnavailable as exc:
+                raise ApiError(422, "No lookup", str(exc)) from None
+            if lookup["finding"] is None:
+                raise ApiError(409, "No finding", f"The lookup (invocation {lookup['lookup_invocation_id']}) answered "
+                                                  f"{lookup['status']}, which proves nothing; the record is unchanged.")
+            outcome, certainty = lookup["finding"].value, "remote_query"
+            reference = reference or lookup["lookup_invocation_id"]
+        if outcome is None:
+            raise ApiError(422, "Missing outcome", "Give an outcome (committed, rejected, partial_effect) or lookup=true.")
+        try:
+            await decisions.reconcile(journal, row, Outcome(outcome), certainty, reference, note, "operator")
+        except decisions.DecisionRefused as exc:
+            raise ApiError(exc.status, "Refused", exc.message) from None
+        result = await view(invocation_id)
+        if lookup is not None:
+            result["lookup"] = {**lookup, "finding": lookup["finding"].value}
+        return result
+
+    @app.get("/v1/approvals", tags=["operators"], summary="Requests held for an operator's approval")
+    async def list_approvals(_who: Annotated[Principal, Depends(operator_only)]) -> dict[str, Any]:
+        cards = []
+        for row in await queries.held(engine):
+            _, events = await queries.events_of(engine, row["invocation_id"], journal.decode_payload)
+            card = next((e.data for e in reversed(events) if e.kind.value == "APPROVAL_REQUESTED"), None)
+            if card is not None:
+                cards.append({"invocation_id": row["invocation_id"], "requested_at": iso(row["updated_at"]), **card})
+        return {"items": cards}
+
+    @app.post("/v1/approvals/{invocation_id}", tags=["operators"], summary="Approve or deny a held request")
+    async def decide(invocation_id: str, body: DecisionBody, who: Annotated[Principal, Depends(operator_only)]) -> dict[str, Any]:
+        row = await visible(invocation_id, who)
+        try:
+            await decisions.decide_approval(journal, row, body.decision == "approve", body.note, "operator")
+        except decisions.DecisionRefused as exc:
+            raise ApiError(exc.status, "Refused", exc.message) from None
+        return await view(invocation_id)
 
     @app.get("/v1/invocations", tags=["invocations"], summary="List invocations (operator)")
     async def list_invocations(

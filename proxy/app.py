@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import socket
 import sys
@@ -18,11 +17,14 @@ from mitmproxy.addons import core, next_layer, proxyserver, tlsconfig
 from mitmproxy.master import Master
 from ulid import ULID
 
+from . import logs
 from .addon import AgentAuth, BrokerAddon
 from .api import create_app
 from .broker import Broker
 from .config import ConfigError, Settings, parse_listen
 from .credentials import CredentialUnavailable, Credentials, read_source
+from .crypto import KeyRing
+from .recovery import Recovery
 from .store import migrate
 from .store.journal import Journal, make_engine
 from .upstream import Upstream
@@ -95,6 +97,7 @@ def env_lines(settings: Settings, agent: str | None = None, token: str | None = 
         f'export CURL_CA_BUNDLE="{ca}"',
         f'export NODE_EXTRA_CA_CERTS="{ca}"',
         "export NODE_USE_ENV_PROXY=1",
+        f'export AFFIDAVIT_API_URL="http://{settings.api.listen}"',
     ]
 
 
@@ -120,16 +123,28 @@ async def serve(
     settings: Settings,
     tokens: dict[str, str],
     operator: str | None,
+    ring: KeyRing,
     *,
     announce: Callable[[str], None] = print,
 ) -> None:
-    owner = f"{socket.gethostname()}:{os.getpid()}:{str(ULID())[-6:]}"
+    # Unique among live brokers: a host name and the port this process holds (two processes
+    # cannot hold one port, so a restarted broker knows its earlier incarnations are dead).
+    instance = settings.recovery.instance or f"{socket.gethostname()}:{parse_listen(settings.proxy.listen)[1]}"
+    owner = f"{instance}/{ULID()}"
     engine = make_engine(settings.database.url, settings.database.pool_size)
-    journal = Journal(engine, writer=owner)
+    journal = Journal(engine, writer=owner, ring=ring)
     await journal.start()
     upstream = Upstream(ca_bundle=settings.upstream.ca_bundle)
-    credentials = Credentials(settings)
+    credentials = Credentials(settings, engine, ring)
     broker = Broker(settings, journal, upstream, credentials, owner)
+    recovery = Recovery(
+        journal,
+        owner,
+        instance,
+        heartbeat=settings.recovery.heartbeat,
+        stale_after=settings.recovery.stale_after,
+        sweep_every=settings.recovery.sweep_every,
+    )
 
     listen_host, listen_port = parse_listen(settings.proxy.listen)
     settings.proxy.confdir.mkdir(parents=True, exist_ok=True)
@@ -159,7 +174,7 @@ async def serve(
     api_host, api_port = parse_listen(settings.api.listen)
     api = uvicorn.Server(
         uvicorn.Config(
-            create_app(engine, tokens, operator, journal),
+            create_app(engine, tokens, operator, journal, broker),
             host=api_host,
             port=api_port,
             log_config=None,
@@ -194,6 +209,9 @@ async def serve(
         if api_task.done():
             api_task.result()
             raise RuntimeError(f"the side API could not listen on {settings.api.listen}")
+        # The proxy port is ours now, so earlier incarnations of this instance are dead: their
+        # in-flight records can be closed at once.
+        await recovery.start()
         announce(banner(settings))
         done, _ = await asyncio.wait({master_task, api_task}, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
@@ -202,6 +220,7 @@ async def serve(
         master.shutdown()
         api.should_exit = True
         await asyncio.gather(master_task, api_task, return_exceptions=True)
+        await recovery.close()
         await broker.close()
         await journal.close()
         await upstream.close()
@@ -228,10 +247,12 @@ def redact_url(url: str) -> str:
 
 def run(settings: Settings) -> int:
     """Check everything that can be checked before touching the database, then serve."""
+    logs.setup(settings.log.level)
     tokens, operator = resolve_tokens(settings)
+    ring = KeyRing.from_settings(settings.crypto)  # a bad key stops the start (ConfigError)
     prepare_database(settings)
     try:
-        asyncio.run(serve(settings, tokens, operator, announce=lambda text: print(text, flush=True)))
+        asyncio.run(serve(settings, tokens, operator, ring, announce=lambda text: print(text, flush=True)))
     except KeyboardInterrupt:
         pass
     except OSError as exc:

@@ -20,14 +20,17 @@ reads the response until ``result_horizon`` and records it, so the result can be
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
+from urllib.parse import quote, urlsplit
 from typing import Any, Callable
 
+from . import metrics
 from .config import Route, Settings
 from .contract import (
     Code,
@@ -53,7 +56,7 @@ from .credentials import (
     redaction_needles,
 )
 from .envelope import MEDIA_TYPE, encode, envelope, status_for
-from .fingerprint import body_sha256, fingerprint, normalized_target
+from .fingerprint import approval_fingerprint, body_sha256, config_digest, fingerprint, normalized_target
 from .invocation_log import Identity, InvocationLog, new_invocation_id, utcnow
 from .routing import Refusal, match_route
 from .failpoints import failpoint
@@ -127,6 +130,12 @@ class _Settled:
     refused: DispatchRefused | None = None
     store_failed: bool = False
     attempt: int = 1
+    #: The result that could not be stored, kept to try again when the journal is back.
+    result_row: dict[str, Any] | None = None
+
+
+class LookupUnavailable(Exception):
+    """The route declares no lookup, or the invocation lacks what its template needs."""
 
 
 class _Exchange:
@@ -139,16 +148,20 @@ class _Exchange:
         self.needles = needles
         self.dispatched = asyncio.Event()
         self.caller_left = False
+        self.approval_check: Callable[[], str | None] | None = None
         self.connection: str | None = None
-        self.attempt = entry.record.dispatch_count + 1
+        self.attempt = max(entry.record.attempt_count, 1)
 
     async def dispatch(self, attempt: int, connection: str) -> None:
         """The boundary: nothing is written upstream until this returns."""
         await failpoint("during_tls")
         if self.caller_left:
             raise DispatchRefused(Code.CALLER_CANCELLED, "the caller left before dispatch")
+        if self.approval_check is not None and (why := self.approval_check()) is not None:
+            raise DispatchRefused(Code.APPROVAL_STALE, why)
         self.connection = connection
         self.entry.append(EventKind.DISPATCH_STARTED, attempt=self.attempt, connection=connection)
+        started = time.perf_counter()
         try:
             # A re-send is fenced: if its lease ran out or another broker took over, the
             # DISPATCH_STARTED write is refused and nothing is sent.
@@ -157,14 +170,20 @@ class _Exchange:
             raise DispatchRefused(Code.JOURNAL_UNAVAILABLE, str(exc)) from None
         except LeaseLost:
             raise DispatchRefused(Code.LEASE_LOST, "the lease for this re-send was lost before dispatch") from None
+        metrics.DISPATCH_RECORD.observe(time.perf_counter() - started)
         self.dispatched.set()
         await failpoint("after_dispatch_commit")
 
-    def request_sent(self) -> None:
+    async def request_sent(self) -> None:
         self.entry.append(EventKind.REQUEST_SENT, attempt=self.attempt)
+        await failpoint("after_request_sent")
 
-    def response_started(self, status: int) -> None:
+    async def response_started(self, status: int) -> None:
         self.entry.append(EventKind.REMOTE_RESPONSE_STARTED, attempt=self.attempt, status=status)
+        await failpoint("mid_response_headers")
+
+    async def body_started(self) -> None:
+        await failpoint("mid_response_body")
 
     async def run(self) -> _Settled:
         try:
@@ -186,7 +205,8 @@ class _Exchange:
 
     async def _record_result(self, response: UpstreamResponse) -> _Settled:
         """Steps (1)-(3) of contract section 6: the outcome, its hash, the stored result."""
-        stored_headers = [(k, v) for k, v in response.headers if k.lower() not in _UNSTORED_HEADERS]
+        await failpoint("after_response_complete")
+        stored_headers = [(k, v) for k, v in _passable(response.headers) if k.lower() not in _UNSTORED_HEADERS]
         stored_body, redacted = redact(response.body, self.needles)
         stored_headers, headers_redacted = _redact_headers(stored_headers, self.needles)
         self.entry.append(
@@ -208,20 +228,25 @@ class _Exchange:
             stored_body_sha256=body_sha256(stored_body),
             redacted=(redacted or headers_redacted) or None,
         )
+        body, headers, key_id = self.entry.journal.encode_result(self.entry.invocation_id, stored_body, _json_headers(stored_headers))
         row = {
             "invocation_id": self.entry.invocation_id,
             "stored_at": utcnow(),
             "status": response.status,
-            "headers": _json_headers(stored_headers),
-            "body": stored_body,
-            "body_sha256": response.body_sha256,
+            "headers": headers,
+            "body": body,
+            # The hash of the bytes stored here (encrypted, when keys are configured), so the table
+            # never lets anyone confirm a guess of a plaintext body; the original body's hash is
+            # in the (encrypted) REMOTE_RESPONSE_COMPLETE payload.
+            "body_sha256": hashlib.sha256(body).hexdigest(),
             "framing": response.framing,
-            "key_id": None,
+            "key_id": key_id,
         }
         try:
             await self.entry.commit(result=row)
-        except JournalUnavailable:
-            return _Settled(response=response, store_failed=True, attempt=self.attempt)
+        except (JournalUnavailable, LeaseLost):
+            return _Settled(response=response, store_failed=True, attempt=self.attempt, result_row=row)
+        await failpoint("after_result_commit")
         return _Settled(response=response, attempt=self.attempt)
 
 
@@ -254,6 +279,13 @@ class Broker:
     # -- the request path -------------------------------------------------------------------
 
     async def handle(self, req: AgentRequest) -> Reply:
+        metrics.IN_FLIGHT.inc()
+        try:
+            return await self._handle(req)
+        finally:
+            metrics.IN_FLIGHT.dec()
+
+    async def _handle(self, req: AgentRequest) -> Reply:
         matched = match_route(self.settings.routes, req.agent, req.scheme, req.host, req.port, req.method, req.path)
         route = matched if not isinstance(matched, Refusal) else None
         target = normalized_target(req.scheme, req.host, req.port, req.path)
@@ -300,7 +332,8 @@ class Broker:
                 Code.PAYLOAD_LIMIT,
                 f"The request body is {len(req.body)} bytes; route '{route.name}' accepts at most {limit}. Nothing was sent.",
             )
-        if route.inject is not None and req.header(route.inject.target_header) is not None:
+        sent = req.header(route.inject.target_header) if route.inject is not None else None
+        if route.inject is not None and sent is not None and sent != route.inject.placeholder:
             return (
                 Code.FORBIDDEN_HEADER_OVERRIDE,
                 f"The request sets {route.inject.target_header}, which the broker injects for route "
@@ -355,16 +388,25 @@ class Broker:
         return entry
 
     async def _attempt(self, entry: InvocationLog, req: AgentRequest, route: Route, key: str | None, generated: bool) -> Reply:
-        """Credential, then the exchange: one attempt of this invocation."""
-        attempt = entry.record.dispatch_count + 1
+        """Approval (if the route wants one), credential, then the exchange: one attempt."""
+        approval: dict[str, Any] | None = None
+        if route.approval:
+            held = await self._hold(entry, req, route)
+            if isinstance(held, Reply):
+                return held
+            approval = held
+            await failpoint("after_approval")
+        attempt = max(entry.record.attempt_count, 1)
         forbidden = {h.lower() for h in (self.settings.proxy.idempotency_header,)} if route.idempotency else set()
         if route.idempotency is not None:
             forbidden.add(route.idempotency.header.lower())
+        if route.inject is not None:
+            forbidden.add(route.inject.target_header.lower())  # a placeholder, replaced below
         headers = [(k, v) for k, v in req.headers if k.lower() not in HOP_BY_HOP and k.lower() not in forbidden]
         needles: list[bytes] = []
         if route.credential is not None and route.inject is not None:
             try:
-                credential = self.credentials.get(route.credential)
+                credential = await self.credentials.get(route.credential)
             except CredentialUnavailable as exc:
                 return await self._refuse(
                     entry,
@@ -399,6 +441,8 @@ class Broker:
             max_response_body=int(self.settings.upstream.max_response_body),
         )
         exchange = _Exchange(self, entry, request, needles)
+        if approval is not None:
+            exchange.approval_check = lambda: self._approval_still_valid(approval, entry, req, route)
         reply = await self._run(entry, exchange, req, route)
         if key is not None and route.idempotency is not None:
             reply.headers.append((IDEMPOTENCY_KEY_HEADER, key))
@@ -409,15 +453,16 @@ class Broker:
     async def _repeat(self, row: dict[str, Any], req: AgentRequest, route: Route, request_fingerprint: str, key: str) -> Reply:
         """The agent sent a key this broker (or another) has seen: replay, re-send or refuse."""
         for _ in range(3):
+            event_rows, events = await queries.events_of(self.journal.engine, row["invocation_id"], self.journal.decode_payload)
+            record = project(events)
+            if record.stage in (Stage.HELD, Stage.APPROVED):
+                return await self._repeat_held(row, record, req, route, request_fingerprint, key)
             if row["fingerprint"] != request_fingerprint:
                 return self._repeat_envelope(
                     row, None, Code.IDEMPOTENCY_MISMATCH,
                     f"The key {key!r} belongs to invocation {row['invocation_id']}, which has a different request "
                     "fingerprint. Nothing was sent. Use a new key for a new operation, or repeat the original request exactly.",
                 )
-            event_rows = await queries.event_rows(self.journal.engine, row["invocation_id"])
-            events = queries.decode_events(event_rows)
-            record = project(events)
             now = utcnow()
             operation = operation_of(row)
             retry = retry_hint(record, operation, retention_open=retention_open(row, now))
@@ -457,6 +502,31 @@ class Broker:
             f"Invocation {row['invocation_id']} is being retried elsewhere. Nothing was sent. Ask again later.",
         )
 
+    async def _repeat_held(
+        self, row: dict[str, Any], record: Record, req: AgentRequest, route: Route, request_fingerprint: str, key: str
+    ) -> Reply:
+        """A repeat of an operation that is waiting for (or has) an operator's approval."""
+        if row["fingerprint"] != request_fingerprint:
+            return self._repeat_envelope(
+                row, None, Code.APPROVAL_STALE,
+                f"The key {key!r} belongs to invocation {row['invocation_id']}, held for an approval of a different "
+                "request; the approval authorises nothing new. Nothing was sent.",
+            )
+        holder_alive = await leases.owner_alive(self.journal.engine, row["owner"], self.settings.recovery.stale_after)
+        now = utcnow()
+        until = now + timedelta(seconds=max(self.settings.proxy.retry_lease, route.approval_timeout))
+        if holder_alive or not await leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until):
+            return self._repeat_envelope(
+                row, record, Code.APPROVAL_REQUIRED,
+                f"Invocation {row['invocation_id']} is waiting for an operator's approval. Nothing was sent. "
+                "Ask again later.",
+            )
+        # The broker that held it stopped: continue its attempt here, under a lease.
+        entry = InvocationLog(self.journal, identity_of(row), self.owner, record=record, persisted=True,
+                              generation=row["generation"] + 1)
+        entry.lease_expires_at = until
+        return await self._attempt(entry, req, route, key, generated=False)
+
     async def _reattempt(
         self, row: dict[str, Any], record: Record, req: AgentRequest, route: Route, key: str, until: datetime
     ) -> Reply:
@@ -470,7 +540,7 @@ class Broker:
         entry.append(
             EventKind.PREFLIGHT_VALIDATED,
             route=route.name,
-            attempt=record.dispatch_count + 1,
+            attempt=record.attempt_count + 1,
             generation=entry.generation,
             retry_of=record.outcome.value,
         )
@@ -478,17 +548,15 @@ class Broker:
 
     async def _replay(self, row: dict[str, Any], record: Record) -> Reply:
         """Serve the recorded result again; the upstream is not contacted."""
-        stored = await queries.result(self.journal.engine, row["invocation_id"])
+        stored = await queries.stored_result(self.journal.engine, row["invocation_id"], self.journal.decode_result)
         if stored is None:
             return self._repeat_envelope(
                 row, record, Code.RESULT_STORE_FAILED,
                 f"Invocation {row['invocation_id']} completed, but its result was not stored. Nothing was sent. "
                 "An operator must reconcile it; do not re-send.",
             )
-        task = asyncio.create_task(note_replay(self.journal, row, record, "replay"))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        headers = [(k, v) for k, v in json.loads(stored["headers"]) if k.lower() not in HOP_BY_HOP]
+        self._spawn(note_replay(self.journal, row, record, "replay"))
+        headers = [(k, v) for k, v in stored["headers"] if k.lower() not in HOP_BY_HOP]
         headers += [
             ("Content-Length", str(len(stored["body"]))),
             (INVOCATION_HEADER, row["invocation_id"]),
@@ -517,8 +585,132 @@ class Broker:
             (INVOCATION_HEADER, row["invocation_id"]),
             (OUTCOME_HEADER, outcome.value),
             (CODE_HEADER, code.value),
+            *should_retry(retry),
         ]
         return Reply(status_for(code), headers, encode(body), row["invocation_id"])
+
+    # -- reconciliation by lookup ------------------------------------------------------------
+
+    async def lookup(self, row: dict[str, Any]) -> dict[str, Any]:
+        """Ask the remote what became of an invocation, through the broker itself: the lookup is
+        its own recorded invocation, on behalf of the same agent, matched against the routes.
+
+        A complete 2xx means the remote has the operation (committed); a complete 404 or 410 means
+        it has none (rejected: no effect claimed). Anything else is no finding.
+        """
+        route = next((r for r in self.settings.routes if r.name == row["route"]), None)
+        if route is None or route.lookup is None:
+            raise LookupUnavailable(f"route {row['route']!r} declares no lookup")
+        _, events = await queries.events_of(self.journal.engine, row["invocation_id"], self.journal.decode_payload)
+        job_ref = next((e.get("job_ref") for e in reversed(events) if e.kind is EventKind.REMOTE_RESPONSE_COMPLETE), None)
+        values = {"key": row["idempotency_key"], "invocation_id": row["invocation_id"], "job_ref": job_ref}
+        path = route.lookup.path
+        for name, value in values.items():
+            if "{" + name + "}" in path:
+                if not value:
+                    raise LookupUnavailable(f"the lookup needs {{{name}}}, which invocation {row['invocation_id']} does not have")
+                path = path.replace("{" + name + "}", quote(str(value), safe=""))
+        target = urlsplit(row["target"])
+        req = AgentRequest(
+            agent=row["agent"],
+            scheme=target.scheme,
+            host=target.hostname or route.host,
+            port=target.port or route.port,
+            method=route.lookup.method,
+            path=path,
+            headers=[("Accept", "application/json")],
+            body=b"",
+        )
+        reply = await self.handle(req)
+        if reply.delivered is not None:
+            reply.delivered()  # the broker itself consumed the answer
+        proxied = not any(k == CODE_HEADER for k, _ in reply.headers)
+        finding = None
+        if proxied and 200 <= reply.status < 300:
+            finding = Outcome.COMMITTED
+        elif proxied and reply.status in (404, 410):
+            finding = Outcome.REJECTED
+        return {"lookup_invocation_id": reply.invocation_id, "status": reply.status, "finding": finding}
+
+    # -- approvals (contract section 12) -------------------------------------------------------
+
+    async def _card(self, entry: InvocationLog, req: AgentRequest, route: Route) -> dict[str, Any]:
+        """What the operator sees and approves, computed before any secret is touched."""
+        credential_id = route.credential
+        version = await self.credentials.version(credential_id) if credential_id else None
+        injection = route.inject.method if route.inject else "none"
+        body_hash = body_sha256(req.body)
+        return {
+            "agent": entry.identity.agent,
+            "route": route.name,
+            "method": entry.identity.method,
+            "target": entry.identity.target,
+            "body_sha256": body_hash,
+            "body_bytes": len(req.body),
+            "credential_id": credential_id,
+            "credential_version": version,
+            "injection": injection,
+            "approves": approval_fingerprint(entry.identity.method, entry.identity.target, body_hash, credential_id, version, injection),
+            "config_digest": config_digest(route.model_dump_json()),
+            "retry_of_uncertain_action": entry.record.dispatch_started or None,
+        }
+
+    async def _hold(self, entry: InvocationLog, req: AgentRequest, route: Route) -> dict[str, Any] | Reply:
+        """Hold the request, durably, until an operator decides, the route's timeout passes, or
+        the caller leaves. Returns the grant, or the reply that ends the attempt."""
+        if entry.record.stage is Stage.APPROVED and entry.record.approval is not None:
+            return dict(entry.record.approval)  # decided while no broker held it (a taken-over record)
+        if entry.record.stage is not Stage.HELD:
+            entry.append(EventKind.APPROVAL_REQUESTED, **await self._card(entry, req, route))
+            try:
+                await entry.commit()
+            except JournalUnavailable:
+                return self._journal_unavailable()
+            except LeaseLost:
+                return self._lease_lost(entry)
+        deadline = time.monotonic() + route.approval_timeout
+        while True:
+            later = await queries.events_after(self.journal.engine, entry.invocation_id, entry.record.last_seq or 0,
+                                               self.journal.decode_payload)
+            if later:
+                entry.adopt(later)
+            if entry.record.stage is Stage.APPROVED and entry.record.approval is not None:
+                return dict(entry.record.approval)
+            if entry.record.code is Code.APPROVAL_DENIED:
+                return self._envelope_reply(
+                    entry, Code.APPROVAL_DENIED, Phase.CREDENTIAL_INJECTION, Outcome.NOT_ATTEMPTED, Retry.AFTER_CORRECTION,
+                    "An operator denied this request. Nothing was sent and no secret was touched.",
+                )
+            if req.caller_gone.is_set():
+                entry.append(EventKind.CALLER_CANCELLED, disposition="disconnected")
+                entry.append(EventKind.FAILED, phase=Phase.VALIDATION, code=Code.CALLER_CANCELLED)
+                entry.submit_quietly()
+                return Reply(499, [], b"", entry.invocation_id)
+            if time.monotonic() >= deadline:
+                return await self._refuse(
+                    entry, Phase.VALIDATION, Code.APPROVAL_REQUIRED,
+                    f"Route '{route.name}' needs an operator's approval and none came within "
+                    f"{route.approval_timeout:g} s. Nothing was sent. Ask an operator to approve it "
+                    "(GET /v1/approvals), then repeat the request.",
+                )
+            try:
+                await asyncio.wait_for(req.caller_gone.wait(), 0.25)
+            except asyncio.TimeoutError:
+                pass
+
+    def _approval_still_valid(self, approval: dict[str, Any], entry: InvocationLog, req: AgentRequest, route: Route) -> str | None:
+        """Right before the dispatch write: does the approval cover exactly what is about to be
+        sent, under the configuration it was given under? Returns why not, or None."""
+        credential_id, credential_version, injection = entry.credential
+        now = approval_fingerprint(
+            entry.identity.method, entry.identity.target, body_sha256(req.body), credential_id, credential_version,
+            injection or "none",
+        )
+        if now != approval.get("approves"):
+            return "the request or its credential version differs from the one approved"
+        if config_digest(route.model_dump_json()) != approval.get("config_digest"):
+            return "the route's configuration changed since the approval"
+        return None
 
     def _horizon(self, route: Route) -> float:
         return route.result_horizon or self.settings.upstream.result_horizon
@@ -555,9 +747,7 @@ class Broker:
         exchange.caller_left = True
         entry.append(EventKind.CALLER_CANCELLED, disposition=disposition)
         horizon = horizon - (time.monotonic() - started)
-        background = asyncio.create_task(self._finish_unanswered(entry, task, max(horizon, 0.1)))
-        self._background.add(background)
-        background.add_done_callback(self._background.discard)
+        self._spawn(self._finish_unanswered(entry, task, max(horizon, 0.1)))
         if disposition != "timed_out":
             entry.submit_quietly()
             return Reply(499, [], b"", entry.invocation_id)
@@ -604,8 +794,10 @@ class Broker:
         """Append the event that ends the record, given how the exchange settled."""
         answered_flag = answered or None
         if settled.refused is not None:
-            phase = Phase.VALIDATION
-            entry.append(EventKind.FAILED, phase=phase, code=settled.refused.code, answered=answered_flag)
+            entry.append(
+                EventKind.FAILED, phase=Phase.VALIDATION, code=settled.refused.code, answered=answered_flag,
+                diagnostic=str(settled.refused) or None,
+            )
         elif settled.setup is not None:
             entry.append(
                 EventKind.FAILED,
@@ -625,7 +817,7 @@ class Broker:
                 answered=answered_flag,
             )
         elif settled.store_failed:
-            entry.append(EventKind.FAILED, phase=Phase.RESULT_DELIVERY, code=Code.RESULT_STORE_FAILED, answered=answered_flag)
+            self._spawn(self._repair(entry, settled.response.status if settled.response else 0, None))
         elif not answered:
             entry.append(EventKind.FAILED, phase=Phase.RESULT_DELIVERY, code=Code.CALLER_CANCELLED)
 
@@ -633,6 +825,15 @@ class Broker:
         entry = exchange.entry
         if settled.response is not None and not settled.store_failed:
             return self._result_reply(exchange, settled.response)
+        if settled.response is not None:
+            # Complete and authentic, but not stored: the caller gets the truth now, flagged; the
+            # broker keeps trying to record it and never re-sends.
+            reply = self._result_reply(exchange, settled.response, code=Code.RESULT_STORE_FAILED)
+            handed: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            reply.delivered = lambda: handed.done() or handed.set_result(True)
+            reply.undelivered = lambda: handed.done() or handed.set_result(False)
+            self._spawn(self._repair(entry, settled.response.status, handed))
+            return reply
         if settled.refused is not None and settled.refused.code is Code.JOURNAL_UNAVAILABLE:
             return self._journal_unavailable()
         if settled.refused is not None and settled.refused.code is Code.LEASE_LOST:
@@ -643,21 +844,57 @@ class Broker:
         except JournalUnavailable:
             if not entry.record.dispatch_started:
                 return self._journal_unavailable()
-        if settled.response is not None:  # complete, but the result could not be stored
-            return self._result_reply(exchange, settled.response, code=Code.RESULT_STORE_FAILED)
         record = entry.record
         code = record.code or Code.REMOTE_OUTCOME_UNKNOWN
         retry = retry_hint(record, entry.identity.operation) or Retry.BACKOFF
         return self._envelope_reply(entry, code, record.phase, record.outcome, retry, _message(code, record.outcome))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _repair(self, entry: InvocationLog, status: int, handed: asyncio.Future[bool] | None) -> None:
+        """Record a complete result the journal refused, once the journal takes writes again.
+
+        Until then the record shows the request dispatched and unfinished; if the broker stops
+        first, recovery closes it as ``unknown`` (the broker cannot prove the result it saw).
+        """
+        log.error(
+            "operator attention: invocation %s: the upstream answered %s but the result could not be stored; "
+            "nothing will be re-sent; retrying to record it",
+            entry.invocation_id, status,
+        )
+        deadline = time.monotonic() + self.settings.upstream.result_horizon
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await entry.resubmit()
+                break
+            except LeaseLost:
+                break  # the rows were there already: the failed commit had landed after all
+            except JournalUnavailable:
+                if time.monotonic() > deadline:
+                    log.error("gave up recording the result of %s; recovery will close it as unknown", entry.invocation_id)
+                    return
+        delivered = await asyncio.wait_for(handed, 60) if handed is not None else False
+        if delivered:
+            entry.append(EventKind.RESULT_DELIVERED, channel="proxy", recorded_after_delivery=True)
+        else:
+            entry.append(EventKind.CALLER_CANCELLED, disposition="disconnected")
+            entry.append(EventKind.FAILED, phase=Phase.RESULT_DELIVERY, code=Code.CALLER_CANCELLED)
+        try:
+            await entry.commit()
+        except Exception as exc:
+            log.warning("could not record the delivery of %s: %s", entry.invocation_id, exc)
+        log.warning("recorded the result of %s after the journal recovered", entry.invocation_id)
 
     def _result_reply(self, exchange: _Exchange, response: UpstreamResponse, code: Code | None = None) -> Reply:
         """The upstream's response, unchanged but for hop-by-hop headers, framing and any echo
         of the injected credential (the agent must never see it)."""
         entry = exchange.entry
         body, _ = redact(response.body, exchange.needles)
-        headers, _ = _redact_headers(
-            [(k, v) for k, v in response.headers if k.lower() not in HOP_BY_HOP], exchange.needles
-        )
+        headers, _ = _redact_headers(_passable(response.headers), exchange.needles)
         if response.framing != "none":
             headers.append(("Content-Length", str(len(body))))
         else:
@@ -667,9 +904,8 @@ class Broker:
         if code is not None:
             headers.append((CODE_HEADER, code.value))
         reply = Reply(response.status, headers, body, entry.invocation_id, reason=response.reason)
-        if code is None:
-            reply.delivered = lambda: self._delivered(entry)
-            reply.undelivered = lambda: self._undelivered(entry)
+        reply.delivered = lambda: self._delivered(entry)
+        reply.undelivered = lambda: self._undelivered(entry)
         return reply
 
     def _delivered(self, entry: InvocationLog) -> None:
@@ -714,7 +950,8 @@ class Broker:
             "another attempt may be running elsewhere. Ask GET /v1/invocations/{id} before trying again.",
             {"dispatch_started": False},
         )
-        headers = [("Content-Type", MEDIA_TYPE), (INVOCATION_HEADER, entry.invocation_id), (CODE_HEADER, Code.LEASE_LOST.value)]
+        headers = [("Content-Type", MEDIA_TYPE), (INVOCATION_HEADER, entry.invocation_id), (CODE_HEADER, Code.LEASE_LOST.value),
+                   *should_retry(Retry.BACKOFF)]
         return Reply(status_for(Code.LEASE_LOST), headers, encode(body), entry.invocation_id)
 
     def _journal_unavailable(self) -> Reply:
@@ -728,7 +965,7 @@ class Broker:
             "record). No invocation was recorded. Retry after a delay; operators: check the database.",
             {"dispatch_started": False},
         )
-        return Reply(503, [("Content-Type", MEDIA_TYPE), ("Retry-After", "1")], encode(body), None)
+        return Reply(503, [("Content-Type", MEDIA_TYPE), ("Retry-After", "1"), *should_retry(Retry.BACKOFF)], encode(body), None)
 
     def _envelope_reply(
         self,
@@ -747,6 +984,7 @@ class Broker:
             (INVOCATION_HEADER, entry.invocation_id),
             (OUTCOME_HEADER, outcome.value),
             (CODE_HEADER, code.value),
+            *should_retry(retry),
         ]
         return Reply(status_for(code, timed_out=timed_out), headers, encode(body), entry.invocation_id)
 
@@ -757,6 +995,7 @@ async def note_replay(journal: Journal, row: dict[str, Any], record: Record, cha
     The disposition of the original wait stays as it was. Both are courtesies: the replay itself
     already succeeded, so a failure here is logged, not raised.
     """
+    metrics.REPLAYS.labels(channel).inc()
     try:
         await leases.count_replay(journal.engine, row["invocation_id"])
         if record.stage is Stage.DELIVERY_FAILED:
@@ -766,6 +1005,13 @@ async def note_replay(journal: Journal, row: dict[str, Any], record: Record, cha
             await entry.commit()
     except Exception as exc:
         log.info("could not record a replay of %s: %s", row["invocation_id"], exc)
+
+
+def should_retry(retry: Retry) -> list[tuple[str, str]]:
+    """``x-should-retry``: SDKs that retry on their own (OpenAI's and Anthropic's, among others)
+    obey it. Only ``backoff`` lets a client's blind retry loop repeat the request; anything else
+    needs the record (same key, a fetch, reconciliation), which such a loop cannot do."""
+    return [("x-should-retry", "true" if retry is Retry.BACKOFF else "false")]
 
 
 def evidence_of(entry: InvocationLog, *, timed_out: bool = False) -> dict[str, Any]:
@@ -860,6 +1106,8 @@ _MESSAGES = {
     "result. The effect is unknown: do not blindly re-send; follow the retry hint.",
     Code.RESULT_TOO_LARGE: "The response body is larger than the broker stores. The effect is unknown.",
     Code.CALLER_CANCELLED: "The caller stopped waiting.",
+    Code.APPROVAL_STALE: "The approval does not cover this request any more (its body, target, credential version or "
+    "the route's configuration changed). Nothing was sent. Ask for a new approval.",
 }
 
 
@@ -875,6 +1123,12 @@ def _redact_headers(headers: list[tuple[str, str]], needles: list[bytes]) -> tup
         changed |= hit
         out.append((k, data.decode("latin-1")))
     return out, changed
+
+
+def _passable(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """An upstream's headers minus hop-by-hop ones and any ``Affidavit-*`` header: only the broker
+    speaks for the broker (a remote must not be able to forge an outcome or a replay mark)."""
+    return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP and not k.lower().startswith("affidavit-")]
 
 
 def _json_headers(headers: list[tuple[str, str]]) -> str:

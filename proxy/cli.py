@@ -8,6 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from .cli_operator import approvals_app, invocations_app, metrics, reconcile
+from .cli_security import audit_app, keys_app, secrets_app
 from .config import DEFAULT_CONFIG, ConfigError, Settings, load_settings
 
 app = typer.Typer(
@@ -17,6 +19,13 @@ app = typer.Typer(
 )
 db_app = typer.Typer(help="The journal database.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
+app.add_typer(invocations_app, name="invocations")
+app.command("metrics")(metrics)
+app.add_typer(approvals_app, name="approvals")
+app.command("reconcile")(reconcile)
+app.add_typer(secrets_app, name="secrets")
+app.add_typer(audit_app, name="audit")
+app.add_typer(keys_app, name="keys")
 
 ConfigOption = Annotated[
     Optional[Path],

@@ -164,6 +164,23 @@ class CryptoSection(_Section):
         return [tuple(k.split("=", 1)) for k in self.keys]  # type: ignore[misc]
 
 
+class LogSection(_Section):
+    #: debug, info, warning or error. Logs are JSON lines on stderr and never hold a secret.
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class RecoverySection(_Section):
+    """How brokers notice each other's deaths (docs/operations.md)."""
+
+    #: This broker's stable name; default "<host name>:<proxy port>". Must be unique among live
+    #: brokers: a restarted broker closes the in-flight records of its earlier incarnations.
+    instance: str | None = Field(default=None, max_length=72)
+    heartbeat: Duration = 2.0
+    #: A broker whose heartbeat is this old is considered stopped; its in-flight work is closed.
+    stale_after: Duration = 30.0
+    sweep_every: Duration = 10.0
+
+
 class Agent(_Section):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     token: SecretSource
@@ -180,6 +197,10 @@ class Injection(_Section):
     header: str | None = None
     value: str = "{secret}"
     basic: str | None = Field(default=None, description="HTTP Basic username; the secret is the password")
+    #: The exact value an agent may send in the injected header to satisfy an SDK that insists
+    #: on a key (e.g. "Bearer placeholder"); it is replaced. Any other value is refused with
+    #: FORBIDDEN_HEADER_OVERRIDE.
+    placeholder: str | None = None
 
     @model_validator(mode="after")
     def _one_form(self) -> "Injection":
@@ -206,6 +227,17 @@ class Idempotency(_Section):
     retention: Duration
 
 
+class Lookup(_Section):
+    """How to ask the remote about an operation: a GET on the route's own origin.
+
+    A complete 2xx answer means the remote has the operation (``committed``); a complete 404 or
+    410 means it has none (``rejected``: it claims no effect). Anything else proves nothing.
+    """
+
+    path: str = Field(pattern=r"^/")
+    method: Literal["GET", "HEAD"] = "GET"
+
+
 class Route(_Section):
     name: str = Field(pattern=r"^[A-Za-z0-9_.:-]+$")
     host: str
@@ -219,6 +251,11 @@ class Route(_Section):
     idempotent: bool | None = None
     idempotency: Idempotency | None = None
     approval: bool = False
+    #: How long a request held for approval waits for an operator's decision.
+    approval_timeout: Duration = 300.0
+    #: A read-only request that asks the remote what became of an operation, for
+    #: `affidavit reconcile ID --lookup`. Placeholders: {key}, {invocation_id}, {job_ref}.
+    lookup: Lookup | None = None
     max_body: ByteSize | None = None
     retry_budget: int = Field(default=3, ge=0)
     #: Connect here instead of resolving `host` (TLS is still verified against `host`).
@@ -284,6 +321,8 @@ class Settings(BaseSettings):
     database: DatabaseSection = DatabaseSection()
     upstream: UpstreamSection = UpstreamSection()
     crypto: CryptoSection = CryptoSection()
+    recovery: RecoverySection = RecoverySection()
+    log: LogSection = LogSection()
     agents: list[Agent] = Field(default_factory=list)
     secrets: list[Secret] = Field(default_factory=list)
     routes: list[Route] = Field(default_factory=list)

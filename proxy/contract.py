@@ -124,6 +124,7 @@ class EventKind(StrEnum):
     PREFLIGHT_VALIDATED = "PREFLIGHT_VALIDATED"
     APPROVAL_REQUESTED = "APPROVAL_REQUESTED"
     APPROVAL_GRANTED = "APPROVAL_GRANTED"
+    APPROVAL_DENIED = "APPROVAL_DENIED"
     CREDENTIAL_AUTHORIZED = "CREDENTIAL_AUTHORIZED"
     CONNECTION_ATTEMPT = "CONNECTION_ATTEMPT"
     DISPATCH_STARTED = "DISPATCH_STARTED"
@@ -189,6 +190,8 @@ TRANSITIONS: dict[EventKind | tuple[EventKind, Phase], tuple[frozenset[Stage], S
     EventKind.PREFLIGHT_VALIDATED: (frozenset({S.ACCEPTED, S.ENDED_UNKNOWN, S.ENDED_NOT_ATTEMPTED}), S.VALIDATED),
     EventKind.APPROVAL_REQUESTED: (frozenset({S.VALIDATED}), S.HELD),
     EventKind.APPROVAL_GRANTED: (frozenset({S.HELD}), S.APPROVED),
+    # An operator's refusal ends the record: nothing was sent, no secret was touched.
+    EventKind.APPROVAL_DENIED: (frozenset({S.HELD}), S.ENDED_NOT_ATTEMPTED),
     EventKind.CREDENTIAL_AUTHORIZED: (frozenset({S.VALIDATED, S.APPROVED}), S.AUTHORIZED),
     EventKind.CONNECTION_ATTEMPT: (frozenset({S.AUTHORIZED}), None),
     EventKind.DISPATCH_STARTED: (frozenset({S.AUTHORIZED}), S.DISPATCHED),
@@ -229,6 +232,7 @@ _PHASE_OF: dict[EventKind, Phase] = {
     EventKind.PREFLIGHT_VALIDATED: Phase.VALIDATION,
     EventKind.APPROVAL_REQUESTED: Phase.VALIDATION,
     EventKind.APPROVAL_GRANTED: Phase.VALIDATION,
+    EventKind.APPROVAL_DENIED: Phase.CREDENTIAL_INJECTION,
     EventKind.CREDENTIAL_AUTHORIZED: Phase.CREDENTIAL_INJECTION,
     EventKind.CONNECTION_ATTEMPT: Phase.CONNECTION_SETUP,
     EventKind.DISPATCH_STARTED: Phase.REMOTE_EXECUTION,
@@ -309,6 +313,8 @@ class Record:
     dispatch: Dispatch = Dispatch.NOT_STARTED
     dispatch_seq: int | None = None
     dispatch_count: int = 0
+    #: Attempts started (each begins at PREFLIGHT_VALIDATED), dispatched or not.
+    attempt_count: int = 0
     request_complete: bool = False
     response_headers_received: bool = False
     response_complete: bool = False
@@ -317,6 +323,8 @@ class Record:
     result_stored: bool = False
     result_delivered: bool = False
     reconciled_outcome: Outcome | None = None
+    #: The operator's grant for the current attempt (APPROVAL_GRANTED data); one attempt only.
+    approval: Mapping[str, Any] | None = None
     certainty: Certainty | None = None
     attempts: tuple[Attempt, ...] = ()
     last_seq: int | None = None
@@ -404,6 +412,8 @@ def apply(record: Record, event: Event) -> Record:
         changes.update(_dispose(record, disposition))
         if record.stage not in _PRE_DISPATCH:
             changes["code"] = Code.CALLER_CANCELLED
+    elif kind is EventKind.APPROVAL_DENIED:
+        changes.update(phase=Phase.CREDENTIAL_INJECTION, code=Code.APPROVAL_DENIED)
     elif kind is EventKind.RECONCILED:
         changes.update(
             reconciled_outcome=Outcome(event.data["outcome"]),
@@ -411,8 +421,13 @@ def apply(record: Record, event: Event) -> Record:
         )
     else:
         changes["phase"] = _PHASE_OF[kind]
-        if kind is EventKind.PREFLIGHT_VALIDATED and record.stage in ENDED:
-            changes["code"] = None  # a new attempt begins; the old code stays in its event
+        if kind is EventKind.PREFLIGHT_VALIDATED:
+            changes["attempt_count"] = record.attempt_count + 1
+            changes["approval"] = None  # an approval covers one attempt, never the next
+            if record.stage in ENDED:
+                changes["code"] = None  # a new attempt begins; the old code stays in its event
+        elif kind is EventKind.APPROVAL_GRANTED:
+            changes["approval"] = dict(event.data)
         elif kind is EventKind.CONNECTION_ATTEMPT:
             changes["attempts"] = _update_attempt(
                 record.attempts, event, stage=event.get("stage"), code=_code_or_none(event)

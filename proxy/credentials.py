@@ -11,8 +11,15 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from .config import Injection, Settings
 from .contract import Code
+
+if TYPE_CHECKING:  # crypto imports this module (read_source) at run time
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from .crypto import KeyRing
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,15 +64,45 @@ def read_source(source: str, *, what: str) -> tuple[str, str]:
 
 
 class Credentials:
-    def __init__(self, settings: Settings):
-        self._sources = {s.name: s.from_ for s in settings.secrets}
+    """Upstream credentials by name, read from their source at the moment of use."""
 
-    def get(self, name: str) -> Credential:
+    def __init__(self, settings: Settings, engine: AsyncEngine | None = None, ring: KeyRing | None = None):
+        self._sources = {s.name: s.from_ for s in settings.secrets}
+        self._engine = engine
+        self._ring = ring
+
+    async def get(self, name: str) -> Credential:
         source = self._sources.get(name)
         if source is None:
             raise CredentialUnavailable(Code.CREDENTIAL_MISSING, f"credential '{name}' is not configured")
-        value, version = read_source(source, what=f"credential '{name}'")
+        what = f"credential '{name}'"
+        if source.startswith("vault:") and self._engine is not None and self._ring is not None:
+            from . import vault  # imported here: the vault module imports this one
+
+            value, version = await vault.latest(self._engine, self._ring, source.removeprefix("vault:"), what=what)
+        else:
+            value, version = read_source(source, what=what)
         return Credential(id=name, version=version, value=value)
+
+    async def version(self, name: str) -> str | None:
+        """The non-secret version the credential would have now, without reading its value
+        (for an approval card, shown before any secret is touched). None if unavailable."""
+        source = self._sources.get(name)
+        if source is None:
+            return None
+        scheme, _, ref = source.partition(":")
+        if scheme == "env":
+            return "env" if os.environ.get(ref) else None
+        if scheme == "file":
+            try:
+                return f"file-{Path(ref).stat().st_mtime_ns}"
+            except OSError:
+                return None
+        if scheme == "vault" and self._engine is not None:
+            from . import vault
+
+            return await vault.latest_version(self._engine, ref)
+        return None
 
 
 def injected_header(inject: Injection, credential: Credential) -> tuple[str, str]:

@@ -37,6 +37,7 @@ NAMES = frozenset(
         "after_result_commit",  # RESULT_COMMITTED durable, not yet handed to the caller
         "during_delivery",  # the response is being handed to the caller
         "after_lease",  # a re-send took its lease, DISPATCH_STARTED not yet written
+        "after_approval",  # an operator approved; the credential is not read yet
         "journal_before_commit",  # the journal writer is about to commit a batch
     }
 )

@@ -50,3 +50,26 @@ def fingerprint(
     }
     digest = hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     return f"sha256:{digest}"
+
+
+def approval_fingerprint(
+    method: str, target: str, body_sha256: str, credential_id: str | None, credential_version: str | None, injection: str | None
+) -> str:
+    """What an approval approves (contract section 12): this target, method and body, sent with
+    this credential version and injection method, and nothing else."""
+    canonical = {
+        "v": 1,
+        "method": method.upper(),
+        "target": target,
+        "body_sha256": body_sha256,
+        "credential_id": credential_id,
+        "credential_version": credential_version,
+        "injection": injection,
+    }
+    return "sha256:" + hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def config_digest(route_config: str) -> str:
+    """A digest of the route's configuration: an approval given under one config authorises
+    nothing under another."""
+    return "sha256:" + hashlib.sha256(route_config.encode()).hexdigest()

@@ -10,22 +10,19 @@ before any answer that names the invocation).
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Callable
+from typing import Any
 
 from ulid import ULID
 
+from . import metrics
 from .contract import Event, EventKind, Operation, Record, apply, retry_hint
 from .store.journal import EventRow, Fence, Journal, JournalUnavailable, Write, projection_row
 
-PayloadCodec = Callable[[dict[str, Any]], tuple[bytes, str | None]]
-
-
-def plain_json(data: dict[str, Any]) -> tuple[bytes, str | None]:
-    return json.dumps(data, separators=(",", ":"), sort_keys=True, default=str).encode(), None
-
+log = logging.getLogger("affidavit.invocations")
 
 def new_invocation_id() -> str:
     return f"act_{ULID()}"
@@ -67,7 +64,6 @@ class InvocationLog:
         identity: Identity,
         owner: str,
         *,
-        codec: PayloadCodec = plain_json,
         record: Record | None = None,
         persisted: bool = False,
         generation: int = 0,
@@ -75,7 +71,6 @@ class InvocationLog:
         self.journal = journal
         self.identity = identity
         self.owner = owner
-        self.codec = codec
         self.record = record or Record()
         self.generation = generation
         #: Set while this process holds a lease for a re-send (see proxy.store.leases).
@@ -85,7 +80,10 @@ class InvocationLog:
         self._buffer: list[EventRow] = []
         self._persisted = persisted
         self._last: asyncio.Future[None] | None = None
+        self._last_write: Write | None = None
         self._created_at = utcnow()
+        self._started = time.monotonic()
+        self._dispatched_at: float | None = None
 
     @property
     def invocation_id(self) -> str:
@@ -96,12 +94,47 @@ class InvocationLog:
         data = {k: v for k, v in data.items() if v is not None}
         seq = (self.record.last_seq or 0) + 1
         event = Event(kind, data, seq)
+        was_ended = self.record.ended
         self.record = apply(self.record, event)
         if kind is EventKind.DISPATCH_STARTED:
             self.attempts_used = self.record.dispatch_count
-        payload, key_id = self.codec(data)
+            self._dispatched_at = time.monotonic()
+        if self.record.ended and not was_ended:
+            self._log_end()
+        payload, key_id = self.journal.encode_payload(self.invocation_id, seq, data)
         self._buffer.append(EventRow(self.invocation_id, seq, kind.value, utcnow(), payload, key_id))
         return event
+
+    def adopt(self, events: list[Event]) -> None:
+        """Fold events another process appended (an operator's decision) into this log."""
+        for event in events:
+            was_ended = self.record.ended
+            self.record = apply(self.record, event)
+            if self.record.ended and not was_ended:
+                self._log_end()
+
+    def _log_end(self) -> None:
+        """One structured line per ended attempt: what happened, never anything secret."""
+        record, identity = self.record, self.identity
+        now = time.monotonic()
+        metrics.invocation_ended(identity.route, record.phase.value, record.outcome.value, record.code.value if record.code else None)
+        log.info(
+            "invocation ended",
+            extra={
+                "invocation_id": identity.invocation_id,
+                "agent": identity.agent,
+                "route": identity.route,
+                "method": identity.method,
+                "phase": record.phase.value,
+                "outcome": record.outcome.value,
+                "code": record.code.value if record.code else None,
+                "caller_disposition": record.caller_disposition.value,
+                "status": record.status,
+                "attempts": record.dispatch_count,
+                "total_ms": round((now - self._started) * 1000, 2),
+                "remote_ms": round((now - self._dispatched_at) * 1000, 2) if self._dispatched_at else None,
+            },
+        )
 
     def projection(self, now: datetime | None = None) -> dict[str, Any]:
         now = now or utcnow()
@@ -144,6 +177,7 @@ class InvocationLog:
             "remote_contract": i.remote_contract,
             "generation": self.generation,
             "retry_budget": i.retry_budget,
+            "replays": 0,
             **projection,
         }
 
@@ -154,7 +188,12 @@ class InvocationLog:
         return Fence(self.invocation_id, self.generation, self.owner, utcnow(), check_expiry)
 
     def submit(
-        self, *, result: dict[str, Any] | None = None, fence: Fence | None = None, claim: bool = False
+        self,
+        *,
+        result: dict[str, Any] | None = None,
+        fence: Fence | None = None,
+        claim: bool = False,
+        lazy: bool = False,
     ) -> asyncio.Future[None]:
         """Hand buffered events (and the new projection) to the journal without waiting.
 
@@ -162,7 +201,8 @@ class InvocationLog:
         another invocation holds the same (agent, scope, key).
         """
         projection = self.projection()
-        write = Write(events=self._buffer, result=result, fence=fence or self.fence(), after=self._last)
+        write = Write(events=self._buffer, result=result, fence=fence or self.fence(), after=self._last, lazy=lazy)
+        self._last_write = write
         self._buffer = []
         if self._persisted:
             write.update_invocation = projection_row(self.invocation_id, projection)
@@ -177,9 +217,31 @@ class InvocationLog:
         """Make everything appended so far durable; raises JournalUnavailable or LeaseLost."""
         await self.submit(**kwargs)
 
+    def resubmit(self) -> asyncio.Future[None]:
+        """Try the last write again, whole (after the journal failed it); later writes wait for it."""
+        last = self._last_write
+        if last is None:
+            raise RuntimeError("nothing was submitted")
+        again = Write(
+            events=last.events,
+            insert_invocation=last.insert_invocation,
+            update_invocation=last.update_invocation,
+            result=last.result,
+            fence=last.fence,
+            claim=last.claim,
+        )
+        self._last_write = again
+        self._last = self.journal.submit(again)
+        return self._last
+
     def submit_quietly(self) -> None:
-        """Write-behind for facts nobody waits on; a failure surfaces at the next commit."""
-        future = self.submit()
+        """Write-behind for facts nobody waits on; a failure surfaces at the next commit.
+
+        The rows ride with the next commit anyone waits for (usually this invocation's own
+        DISPATCH_STARTED), or go alone after the journal's linger. A crash inside that window
+        loses them; that is only ever the record of a request that was not yet sent.
+        """
+        future = self.submit(lazy=True)
         future.add_done_callback(_consume)
 
     @property

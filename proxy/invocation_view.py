@@ -16,7 +16,7 @@ from .contract import Event, EventKind, Operation, Record, decide, project, retr
 _INTERNAL = frozenset({"diagnostic"})
 
 
-def _iso(value: Any) -> str | None:
+def iso(value: Any) -> str | None:
     if value is None:
         return None
     if isinstance(value, datetime):
@@ -82,7 +82,7 @@ def describe(
         idempotency = {
             "key": row.get("idempotency_key"),
             "scope": row.get("idempotency_scope"),
-            "expires_at": _iso(row.get("idempotency_expires_at")),
+            "expires_at": iso(row.get("idempotency_expires_at")),
             "fingerprint": row["fingerprint"],
             "remote_contract": "configured" if row.get("remote_contract") else "none",
         }
@@ -93,7 +93,7 @@ def describe(
         "method": row["method"],
         "target": row["target"],
         "fingerprint": row["fingerprint"],
-        "created_at": _iso(row["created_at"]),
+        "created_at": iso(row["created_at"]),
         "phase": record.phase.value,
         "outcome": record.outcome.value,
         "retry": retry.value if retry else None,
@@ -115,7 +115,7 @@ def describe(
             {
                 "seq": e.seq,
                 "kind": e.kind.value,
-                "at": _iso((event_times or {}).get(e.seq)),
+                "at": iso((event_times or {}).get(e.seq)),
                 "data": {k: v for k, v in e.data.items() if operator or k not in _INTERNAL},
             }
             for e in events

@@ -59,9 +59,11 @@ class ExchangeObserver(Protocol):
 
     async def dispatch(self, attempt: int, connection: str) -> None: ...
 
-    def request_sent(self) -> None: ...
+    async def request_sent(self) -> None: ...
 
-    def response_started(self, status: int) -> None: ...
+    async def response_started(self, status: int) -> None: ...
+
+    async def body_started(self) -> None: ...
 
 
 class DispatchRefused(Exception):
@@ -209,21 +211,21 @@ async def _on_reuse(_s: Any, tctx: Any, _p: Any) -> None:
         await _boundary(p, "reused")
 
 
-def _sent(p: _Progress) -> None:
+async def _sent(p: _Progress) -> None:
     if not p.request_complete and p.bytes_sent >= p.body_length:
         p.request_complete = True
-        p.observer.request_sent()
+        await p.observer.request_sent()
 
 
 async def _on_headers_sent(_s: Any, tctx: Any, _p: Any) -> None:
     if (p := _ctx(tctx)) is not None:
-        _sent(p)
+        await _sent(p)
 
 
 async def _on_chunk_sent(_s: Any, tctx: Any, params: Any) -> None:
     if (p := _ctx(tctx)) is not None:
         p.bytes_sent += len(params.chunk)
-        _sent(p)
+        await _sent(p)
 
 
 def _trace_config() -> aiohttp.TraceConfig:
@@ -367,11 +369,11 @@ class Upstream:
             # A complete response cannot precede the whole request on HTTP/1.1 unless the
             # server answered early; the bytes were at least handed over up to now.
             progress.request_complete = True
-        observer.response_started(response.status)
         peer = _peer_certificate(response)
         framing = framing_of(request.method, response.status, response.headers)
         try:
-            body = await _read_body(response, request.max_response_body)
+            await observer.response_started(response.status)
+            body = await _read_body(response, request.max_response_body, observer)
         except ResponseTooLarge:
             response.close()
             raise ExchangeFailed(
@@ -408,13 +410,15 @@ def _headers(response: aiohttp.ClientResponse) -> list[tuple[str, str]]:
     return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.raw_headers]
 
 
-async def _read_body(response: aiohttp.ClientResponse, limit: int) -> bytes:
+async def _read_body(response: aiohttp.ClientResponse, limit: int, observer: ExchangeObserver) -> bytes:
     chunks: list[bytes] = []
     size = 0
     async for chunk in response.content.iter_any():
         size += len(chunk)
         if size > limit:
             raise ResponseTooLarge()
+        if not chunks:
+            await observer.body_started()
         chunks.append(chunk)
     # iter_any ends quietly at EOF; a framing error surfaces as an exception from the parser.
     if response.content.exception() is not None:

@@ -139,12 +139,15 @@ def make_broker(tmp_path: Path, pki: TestPKI, upstream: HostileUpstream, request
         start: bool = True,
         like: BrokerProcess | None = None,
         env: dict[str, str] | None = None,
+        db_url: str | None = None,
         **sections: Any,
     ) -> BrokerProcess:
-        """A new broker; ``like=other`` makes a replica on the same database with the same tokens."""
+        """A new broker; ``like=other`` makes a replica on the same database with the same tokens;
+        ``db_url`` puts it on a database the test made (through a relay, a throwaway cluster)."""
         workdir = tmp_path / f"broker{len(started)}"
         workdir.mkdir()
-        db_url = like.database_url if like is not None else database_url(dialect, workdir, request)
+        if db_url is None:
+            db_url = like.database_url if like is not None else database_url(dialect, workdir, request)
         broker = new_broker(workdir, db_url, pki, routes or standard_routes(upstream), like=like, env=env, **sections)
         started.append(broker)
         return broker.start() if start else broker

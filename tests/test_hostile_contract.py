@@ -98,6 +98,7 @@ def test_connection_setup_failures_are_not_attempted(broker, upstream, url, code
         elapsed = time.monotonic() - started
     body = envelope_of(response, status, code, "connection_setup", "not_attempted")
     assert body["error"]["retry"] == retry
+    assert response.headers["x-should-retry"] == ("true" if retry == "backoff" else "false")
     assert body["evidence"]["dispatch_started"] is False
     assert body["evidence"]["attempts"] == [{"n": 1, "stage": stage, "code": code}]
     record = record_of(broker, body["invocation_id"])
@@ -133,6 +134,7 @@ def test_broken_exchanges_after_dispatch_are_unknown(broker, upstream, path, cod
         response = client.post(H + path, content=b'{"charge":1}')
     body = envelope_of(response, 502, code, "remote_execution", "unknown")
     assert body["error"]["retry"] == "reconcile", "a POST without a declared contract must not be re-sent"
+    assert response.headers["x-should-retry"] == "false", "SDK retry loops must not re-send it either"
     evidence = body["evidence"]
     assert evidence["dispatch_started"] is True and evidence["request_complete"] is True
     assert evidence["response_headers_received"] is headers_received
@@ -327,6 +329,17 @@ def test_a_caller_that_gives_up_on_a_silent_upstream_leaves_an_unknown_record(br
     assert record["caller_disposition"] == "disconnected"
     assert record["outcome"] == "unknown" and record["retry"] == "reconcile"
     assert upstream.effects == 1
+
+
+def test_an_upstream_cannot_speak_for_the_broker(broker, upstream):
+    with broker.client() as client:
+        response = client.get(H + "/h/status?code=200&header=Affidavit-Outcome:not_attempted")
+        forged = client.get(H + "/h/status?code=200&header=Affidavit-Replayed:true")
+    assert response.headers.get_list("affidavit-outcome") == ["committed"]
+    assert "affidavit-replayed" not in forged.headers
+    with broker.api() as api:
+        replay = api.get(f"/v1/invocations/{response.headers['affidavit-invocation-id']}/result")
+    assert replay.headers.get_list("affidavit-outcome") == ["committed"]
 
 
 def test_every_proxied_response_carries_the_invocation_id(broker, upstream):

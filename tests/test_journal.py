@@ -99,7 +99,7 @@ def test_the_projection_row_is_the_fold_of_the_stored_events(db):
         entry = await _full_history(journal)
         await journal.close()
         row = await queries.invocation(engine, entry.invocation_id)
-        stored = queries.decode_events(await queries.event_rows(engine, entry.invocation_id))
+        _, stored = await queries.events_of(engine, entry.invocation_id, journal.decode_payload)
         await engine.dispose()
         return row, stored
 

@@ -18,17 +18,23 @@ import base64
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import and_, bindparam, event, insert, update
+import asyncpg
+from sqlalchemy import and_, bindparam, event, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from .. import metrics
+from ..failpoints import failpoint
+from ..crypto import KeyRing, payload_codec, payload_decoder, result_codec, result_decoder
 from .schema import events, invocations, results
+from .vault_schema import chain_checkpoints, checkpoint_due, checkpoint_row
 
 log = logging.getLogger("affidavit.journal")
 
@@ -84,6 +90,10 @@ class Write:
     fence: Fence | None = None
     #: Insert ``insert_invocation`` only if its idempotency key is free (see Journal._claim).
     claim: bool = False
+    #: Nobody waits for these rows: they may wait up to ``Journal.linger`` for company.
+    lazy: bool = False
+    #: An empty write that still reaches the database (to record a due chain checkpoint).
+    checkpoint_only: bool = False
     #: An earlier write of the same invocation; if it failed, this one is not attempted, so a
     #: record never has a gap (later events without the earlier ones).
     after: asyncio.Future[None] | None = None
@@ -183,8 +193,26 @@ _update_projection = (
 class Journal:
     """Group-commit writer for one broker process (one audit chain per writer name)."""
 
-    def __init__(self, engine: AsyncEngine, writer: str, *, timeout: float = 5.0, max_batch: int = 512):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        writer: str,
+        *,
+        ring: KeyRing | None = None,
+        timeout: float = 5.0,
+        max_batch: int = 512,
+        linger: float = 0.05,
+    ):
         self.engine = engine
+        self.linger = linger
+        #: How payloads and results are stored (encrypted when the key ring has keys) and read back.
+        self.ring = ring or KeyRing.empty()
+        self.encode_payload = payload_codec(self.ring)
+        self.decode_payload = payload_decoder(self.ring)
+        self.encode_result = result_codec(self.ring)
+        self.decode_result = result_decoder(self.ring)
+        self._checkpoint_seq = 0
+        self._checkpoint_at = 0.0
         self.writer_base = writer
         self.timeout = timeout
         self.max_batch = max_batch
@@ -200,11 +228,33 @@ class Journal:
         self.healthy = True
 
     async def start(self) -> None:
+        """Start the writer. A writer name that already has rows continues its chain."""
+        try:
+            async with self.engine.connect() as conn:
+                last = (
+                    await conn.execute(
+                        select(events.c.writer_seq, events.c.hash)
+                        .where(events.c.writer == self.writer)
+                        .order_by(events.c.writer_seq.desc())
+                        .limit(1)
+                    )
+                ).first()
+        except Exception as exc:  # the database may be down at start; the writer retries per batch
+            log.warning("journal: could not read the chain head at start: %s", _brief(exc))
+            self._rotate_chain()
+        else:
+            if last is not None:
+                self._writer_seq, self._prev_hash = int(last[0]), last[1]
+                self._checkpoint_seq = self._writer_seq
+        self._checkpoint_at = time.monotonic()
         self._task = asyncio.create_task(self._run(), name="affidavit journal writer")
 
     async def close(self) -> None:
         if self._task is not None:
             await self.flush()
+            if self._writer_seq > self._checkpoint_seq:
+                self._checkpoint_at = 0.0  # one last checkpoint for the chain's final head
+                await self.flush(force=True)
             self._task.cancel()
             try:
                 await self._task
@@ -225,11 +275,12 @@ class Journal:
     async def commit(self, write: Write) -> None:
         await self.submit(write)
 
-    async def flush(self) -> None:
-        """Wait until everything submitted so far has been attempted."""
+    async def flush(self, *, force: bool = False) -> None:
+        """Wait until everything submitted so far has been attempted (``force``: even an empty
+        batch goes to the database, so a due checkpoint is written)."""
         if self._task is None:
             return
-        marker = self.submit(Write())
+        marker = self.submit(Write(checkpoint_only=force))
         try:
             await marker
         except JournalUnavailable:
@@ -238,8 +289,19 @@ class Journal:
     async def _run(self) -> None:
         while True:
             batch = [await self._queue.get()]
-            while len(batch) < self.max_batch and not self._queue.empty():
+            while len(batch) < self.max_batch:
+                if self._queue.empty():
+                    if not all(w.lazy for w in batch):
+                        break
+                    # Only facts nobody waits for: let them ride with the next commit that
+                    # somebody does wait for, or go on their own after a short linger.
+                    try:
+                        batch.append(await asyncio.wait_for(self._queue.get(), self.linger))
+                    except asyncio.TimeoutError:
+                        break
+                    continue
                 batch.append(self._queue.get_nowait())
+            await failpoint("journal_before_commit")
             await self._write_batch(batch)
 
     async def _connection(self) -> AsyncConnection:
@@ -261,6 +323,7 @@ class Journal:
         self.writer = f"{self.writer_base}.{self._generation}"
         self._writer_seq = 0
         self._prev_hash = GENESIS
+        self._checkpoint_seq = 0
 
     async def _write_batch(self, batch: list[Write]) -> None:
         for w in batch:
@@ -268,19 +331,22 @@ class Journal:
                 if w.future is not None and not w.future.done():
                     w.future.set_exception(JournalUnavailable("an earlier write of this invocation failed"))
         live = [w for w in batch if w.future is not None and not w.future.done()]
-        if not any(w.events or w.insert_invocation or w.update_invocation or w.result or w.fence for w in live):
+        if not any(w.events or w.insert_invocation or w.update_invocation or w.result or w.fence or w.checkpoint_only for w in live):
             for w in live:
                 w.future.set_result(None)  # type: ignore[union-attr]
             return
         try:
             try:
-                refused = await asyncio.wait_for(self._transaction(live, isolate=False), self.timeout)
-            except IntegrityError:
+                refused = await asyncio.wait_for(self._write(live), self.timeout)
+            except (IntegrityError, asyncpg.UniqueViolationError):
                 # A write collided with another writer's rows (a race on one invocation). Redo
                 # the batch with each write in its own savepoint so only the colliding one fails.
                 refused = await asyncio.wait_for(self._transaction(live, isolate=True), self.timeout)
-        except (SQLAlchemyError, DBAPIError, OSError, asyncio.TimeoutError, ConnectionError) as exc:
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any failure to make the rows durable: the callers are told
             self.errors += 1
+            metrics.JOURNAL_ERRORS.inc()
             self.healthy = False
             await self._drop_connection()
             self._rotate_chain()
@@ -299,6 +365,108 @@ class Journal:
                 w.future.set_exception(refused[id(w)])  # type: ignore[union-attr]
             else:
                 w.future.set_result(None)  # type: ignore[union-attr]
+
+    async def _write(self, batch: list[Write]) -> dict[int, Exception]:
+        conn = await self._connection()
+        if conn.dialect.name == "postgresql" and sum(len(w.result["body"]) for w in batch if w.result) < _INLINE_LIMIT:
+            return await self._call_batch(conn, batch)
+        return await self._transaction(batch, isolate=False)
+
+    async def _call_batch(self, conn: AsyncConnection, batch: list[Write]) -> dict[int, Exception]:
+        """PostgreSQL: the whole batch in one ``affidavit_write`` call (one round trip, autocommit).
+
+        Refused fences or claims come back as SQLSTATE AF001 with nothing written; those writes
+        are dropped, the rest re-chained, and the call repeated.
+        """
+        driver = (await conn.get_raw_connection()).driver_connection
+        refused: dict[int, Exception] = {}
+        live = list(batch)
+        while True:
+            chain = [self._writer_seq, self._prev_hash]
+            payload, mark = self._payload(live, chain)
+            try:
+                await driver.execute(_BATCH_CALL, payload)
+            except asyncpg.PostgresError as exc:
+                if getattr(exc, "sqlstate", None) != "AF001":
+                    raise
+                for item in json.loads(exc.detail or "[]"):
+                    w = live[item["write"]]
+                    refused[id(w)] = (
+                        IdempotencyConflict(w.insert_invocation["invocation_id"])  # type: ignore[index]
+                        if item["why"] == "claim"
+                        else LeaseLost(w.fence.invocation_id if w.fence else "")
+                    )
+                live = [w for w in live if id(w) not in refused]
+                continue
+            self._writer_seq, self._prev_hash = chain
+            self._checkpointed(mark)
+            return refused
+
+    def _payload(self, writes: list[Write], chain: list[Any]) -> tuple[str, dict[str, Any] | None]:
+        """The batch as one JSON document for ``affidavit_write`` (bytes as ``\\x`` hex)."""
+        checks: list[dict[str, Any]] = []
+        for i, w in enumerate(writes):
+            check: dict[str, Any] = {}
+            if w.fence is not None:
+                f = w.fence
+                check["fence"] = {"invocation_id": f.invocation_id, "generation": f.generation, "owner": f.owner,
+                                  "now": f.now, "check_expiry": f.check_expiry}
+            if w.claim and w.insert_invocation:
+                check["claim"] = w.insert_invocation
+            if check:
+                check["write"] = i
+                checks.append(check)
+        event_rows = self._chain_rows(writes, chain)
+        updates: dict[str, dict[str, Any]] = {}
+        for w in writes:
+            if w.update_invocation:
+                row = dict(w.update_invocation)
+                row["invocation_id"] = row.pop("b_invocation_id")
+                updates[row["invocation_id"]] = row  # the last projection of an invocation wins
+        mark = self._checkpoint(chain)
+        document = {
+            "checks": checks,
+            "inserts": [w.insert_invocation for w in writes if w.insert_invocation and not w.claim],
+            "events": event_rows,
+            "updates": list(updates.values()),
+            "results": [w.result for w in writes if w.result],
+            "checkpoints": [mark] if mark else [],
+        }
+        return json.dumps(document, default=_json_value, separators=(",", ":")), mark
+
+    def _checkpoint(self, chain: list[Any]) -> dict[str, Any] | None:
+        """A chain checkpoint row if one is due after this batch (same transaction as its events)."""
+        seq, head = chain
+        if not checkpoint_due(seq, self._checkpoint_seq, time.monotonic() - self._checkpoint_at):
+            return None
+        return checkpoint_row(self.writer, seq, head, datetime.now(UTC))
+
+    def _checkpointed(self, mark: dict[str, Any] | None) -> None:
+        if mark is not None:
+            self._checkpoint_seq, self._checkpoint_at = mark["writer_seq"], time.monotonic()
+
+    def _chain_rows(self, writes: list[Write], chain: list[Any]) -> list[dict[str, Any]]:
+        """Event rows extending the audit chain held in ``chain`` (writer_seq, prev_hash)."""
+        writer_seq, prev_hash = chain
+        rows: list[dict[str, Any]] = []
+        for w in writes:
+            for e in w.events:
+                writer_seq += 1
+                row = {
+                    "invocation_id": e.invocation_id,
+                    "seq": e.seq,
+                    "kind": e.kind,
+                    "at": e.at,
+                    "writer": self.writer,
+                    "writer_seq": writer_seq,
+                    "prev_hash": prev_hash,
+                    "key_id": e.key_id,
+                    "payload": e.payload,
+                }
+                row["hash"] = prev_hash = chain_hash(row)
+                rows.append(row)
+        chain[:] = [writer_seq, prev_hash]
+        return rows
 
     async def _transaction(self, batch: list[Write], *, isolate: bool) -> dict[int, Exception]:
         """One transaction for the batch. Returns the writes that were refused, with why.
@@ -329,29 +497,16 @@ class Journal:
                         refused[id(w)] = LeaseLost(f"conflicting write: {_brief(exc)}")
             else:
                 await self._insert(conn, kept, chain)
+            mark = self._checkpoint(chain)
+            if mark is not None:
+                await conn.execute(insert(chain_checkpoints), [mark])
         self._writer_seq, self._prev_hash = chain
+        self._checkpointed(mark)
         return refused
 
     async def _insert(self, conn: AsyncConnection, writes: list[Write], chain: list[Any]) -> None:
-        """The rows of ``writes``, extending the audit chain held in ``chain`` (seq, prev_hash)."""
-        writer_seq, prev_hash = chain
-        event_rows: list[dict[str, Any]] = []
-        for w in writes:
-            for e in w.events:
-                writer_seq += 1
-                row = {
-                    "invocation_id": e.invocation_id,
-                    "seq": e.seq,
-                    "kind": e.kind,
-                    "at": e.at,
-                    "writer": self.writer,
-                    "writer_seq": writer_seq,
-                    "prev_hash": prev_hash,
-                    "key_id": e.key_id,
-                    "payload": e.payload,
-                }
-                row["hash"] = prev_hash = chain_hash(row)
-                event_rows.append(row)
+        """The rows of ``writes`` as plain statements (SQLite, large results, isolated retries)."""
+        event_rows = self._chain_rows(writes, chain)
         inserts = [w.insert_invocation for w in writes if w.insert_invocation and not w.claim]
         updates = [w.update_invocation for w in writes if w.update_invocation]
         stored = [w.result for w in writes if w.result]
@@ -363,7 +518,6 @@ class Journal:
             await conn.execute(_update_projection, updates)
         if stored:
             await conn.execute(insert(results), stored)
-        chain[:] = [writer_seq, prev_hash]
 
     @staticmethod
     async def _claim(conn: AsyncConnection, w: Write) -> bool:
@@ -384,6 +538,19 @@ class Journal:
             condition = and_(condition, c.lease_expires_at > fence.now)
         result = await conn.execute(update(invocations).where(condition).values(updated_at=fence.now))
         return result.rowcount == 1
+
+
+#: Results larger than this (in total per batch) go through plain statements, not inline JSON.
+_INLINE_LIMIT = 256 * 1024
+_BATCH_CALL = "SELECT affidavit_write($1::jsonb)"
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return "\\x" + bytes(value).hex()
+    raise TypeError(f"cannot put {type(value).__name__} into a journal batch")
 
 
 def projection_row(invocation_id: str, values: dict[str, Any]) -> dict[str, Any]:

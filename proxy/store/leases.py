@@ -6,13 +6,13 @@ bindings, generations, leases and budgets.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from .schema import invocations
+from .schema import brokers, invocations
 
 c = invocations.c
 
@@ -51,3 +51,15 @@ async def take_lease(
 async def count_replay(engine: AsyncEngine, invocation_id: str) -> None:
     async with engine.begin() as conn:
         await conn.execute(update(invocations).where(c.invocation_id == invocation_id).values(replays=c.replays + 1))
+
+
+async def owner_alive(engine: AsyncEngine, owner: str, stale_after: float) -> bool:
+    """Whether the broker process ``owner`` has sent a heartbeat within ``stale_after`` seconds
+    (judged by the database's clock on PostgreSQL, like the heartbeats themselves)."""
+    async with engine.connect() as conn:
+        if conn.dialect.name == "postgresql":
+            cutoff: Any = func.now() - timedelta(seconds=stale_after)
+        else:
+            cutoff = datetime.now(UTC) - timedelta(seconds=stale_after)
+        row = (await conn.execute(select(brokers.c.owner).where(brokers.c.owner == owner, brokers.c.heartbeat_at > cutoff))).first()
+    return row is not None

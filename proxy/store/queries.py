@@ -10,6 +10,7 @@ from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..contract import Event, EventKind
+from ..crypto import PayloadDecoder, ResultDecoder
 from .schema import events, invocations, results
 
 
@@ -27,13 +28,42 @@ async def event_rows(engine: AsyncEngine, invocation_id: str) -> list[dict[str, 
     return [dict(r) for r in rows]
 
 
-def decode_events(rows: list[dict[str, Any]], decode: Any = None) -> list[Event]:
-    out = []
-    for row in rows:
-        payload = bytes(row["payload"])
-        data = decode(payload, row["key_id"]) if decode else json.loads(payload)
-        out.append(Event(EventKind(row["kind"]), data, row["seq"]))
-    return out
+def decode_events(rows: list[dict[str, Any]], decode: PayloadDecoder) -> list[Event]:
+    """Events from stored rows; ``decode`` opens encrypted payloads (``Journal.decode_payload``)."""
+    return [
+        Event(EventKind(row["kind"]), decode(bytes(row["payload"]), row["key_id"], row["invocation_id"], row["seq"]), row["seq"])
+        for row in rows
+    ]
+
+
+async def events_of(engine: AsyncEngine, invocation_id: str, decode: PayloadDecoder) -> tuple[list[dict[str, Any]], list[Event]]:
+    """The stored rows of an invocation's events and the events they hold, in sequence order."""
+    rows = await event_rows(engine, invocation_id)
+    return rows, decode_events(rows, decode)
+
+
+async def events_after(engine: AsyncEngine, invocation_id: str, seq: int, decode: PayloadDecoder) -> list[Event]:
+    """Events appended after ``seq`` (by another process, e.g. an operator's decision)."""
+    query = select(events).where(events.c.invocation_id == invocation_id, events.c.seq > seq).order_by(events.c.seq)
+    async with engine.connect() as conn:
+        rows = [dict(r) for r in (await conn.execute(query)).mappings().all()]
+    return decode_events(rows, decode)
+
+
+async def held(engine: AsyncEngine, limit: int = 200) -> list[dict[str, Any]]:
+    """Invocations waiting for an operator's approval, oldest first."""
+    query = select(invocations).where(invocations.c.stage == "held").order_by(invocations.c.created_at).limit(limit)
+    async with engine.connect() as conn:
+        return [dict(r) for r in (await conn.execute(query)).mappings().all()]
+
+
+async def stored_result(engine: AsyncEngine, invocation_id: str, decode: ResultDecoder) -> dict[str, Any] | None:
+    """The stored result with its body and headers opened; ``headers`` as a list of pairs."""
+    row = await result(engine, invocation_id)
+    if row is None:
+        return None
+    body, headers = decode(invocation_id, bytes(row["body"]), row["headers"], row["key_id"])
+    return {**row, "body": body, "headers": json.loads(headers)}
 
 
 async def result(engine: AsyncEngine, invocation_id: str) -> dict[str, Any] | None:

@@ -115,3 +115,12 @@ results = Table(
     Column("framing", String(32), nullable=False),
     Column("key_id", String(64)),
 )
+
+brokers = Table(
+    "brokers",
+    metadata,
+    Column("owner", String(100), primary_key=True),
+    Column("instance", String(100), nullable=False),
+    Column("started_at", Timestamp, nullable=False),
+    Column("heartbeat_at", Timestamp, nullable=False),
+)

@@ -216,6 +216,7 @@ class HostileUpstream:
         self._servers: list[asyncio.base_events.Server] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._contexts: dict[str, ssl.SSLContext] = {}
+        self._gates: dict[str, asyncio.Event] = {}
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -494,6 +495,7 @@ class HostileUpstream:
             if strict and sha != entry.body_sha256:
                 err = {"error": "idempotency_key_reused", "detail": "same key, different body"}
                 return await self._send(conn, entry, 422, _json(err))
+            await self._hold(q)
             entry.response_status = int(raw.split(b" ", 2)[1])
             await conn.send(raw)  # byte-identical replay, whatever the client asked
             return not _wants_close(entry)
@@ -504,11 +506,26 @@ class HostileUpstream:
         self._idem_store[(entry.behaviour, key)] = (entry.body_sha256, raw)
         if self._lose(q, key):
             return await self._send_and_close(conn, entry, q, b"")
-        if "delay" in q:  # the effect is applied; the answer takes a while
-            await asyncio.sleep(float(q["delay"]))
+        await self._hold(q)
         entry.response_status = code
         await conn.send(raw)
         return not _wants_close(entry)
+
+    async def _hold(self, q: dict[str, str]) -> None:
+        """Before an answer that is sent: ``?delay=S`` waits S seconds, ``?gate=NAME`` waits until
+        the test calls :meth:`open_gate` (bounded)."""
+        if "delay" in q:
+            await asyncio.sleep(float(q["delay"]))
+        if "gate" in q:
+            await asyncio.wait_for(self._gate(q["gate"]).wait(), 30)
+
+    def _gate(self, name: str) -> asyncio.Event:
+        return self._gates.setdefault(name, asyncio.Event())
+
+    def open_gate(self, name: str) -> None:
+        """Let every response waiting at ``?gate=name`` go (and any later one pass at once)."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(lambda: self._gate(name).set())
 
     def _lose(self, q: dict[str, str], key: str | None) -> bool:
         """``?lose=1``: the response to the first request per key is lost (the effect stays
@@ -528,10 +545,14 @@ class HostileUpstream:
         return await self._send(conn, entry, 200, self._echo(conn, entry, self._apply(entry)))
 
     async def _b_status(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
-        """Effect, then a complete ``?code=`` (200) response; ``?retry_after=``, ``?location=``, ``?job=``."""
+        """Effect, then a complete ``?code=`` (200) response; ``?retry_after=``, ``?location=``, ``?job=``,
+        and ``?header=Name:Value`` for any extra response header."""
         code = int(q.get("code", "200"))
         n = self._apply(entry)
         headers = [(h, q[p]) for p, h in (("retry_after", "Retry-After"), ("location", "Location")) if p in q]
+        if "header" in q:
+            name, _, value = q["header"].partition(":")
+            headers.append((name, value))
         body = _json({"job_id": q["job"], "status": "pending"} if "job" in q else {"status": code, "effects": n})
         return await self._send(conn, entry, code, b"" if code in (204, 304) else body, headers)
 

@@ -1,0 +1,499 @@
+"""Offline verification of the audit chain, over the stored bytes, without any key.
+
+Each journal writer (one broker process incarnation) keeps its own hash chain: its events carry
+``writer``, ``writer_seq`` (1, 2, 3...), ``prev_hash`` (the previous event's ``hash``, or
+:data:`GENESIS` for the first) and ``hash`` = :func:`~proxy.store.journal.chain_hash` of every
+other stored column, ciphertext included. Checkpoints (``chain_checkpoints``) say how far a
+chain reached and with which hash.
+
+:func:`verify` is pure (no I/O). It walks each chain through positions 1, 2, 3... and stops at
+the first position ``n`` that does not hold what the writer wrote there. Two notions decide:
+
+* a row *fits at* ``n`` when its hash recomputes with ``writer_seq = n``;
+* the *rightful* row for ``n`` fits at ``n`` and links (``prev_hash``) to the hash accepted at
+  ``n - 1``; of two such rows, the one the chain continues through wins.
+
+The damage at ``n`` is named from that evidence, in this order:
+
+=================================================  ===========================================
+what position ``n`` holds                          finding
+=================================================  ===========================================
+nothing; the rightful row is stored elsewhere      reordered (it was moved away from ``n``)
+nothing, and no row fits here                      deleted (``n``.. up to the next stored row)
+several rows                                       inserted (the one that is not rightful)
+a row, while the rightful row is stored elsewhere  reordered if the row fits at another
+                                                   position (rows swapped), else inserted
+                                                   (the rightful row was pushed along)
+a row that hashes only with another ``seq`` of     reordered (events of one invocation
+its invocation                                     swapped)
+a row that fits at a later position                deleted (rows removed, later ones
+                                                   renumbered to close the gap)
+a row that fits at an earlier position             inserted (a copy of a taken position)
+an intact row chained to another predecessor       modified at ``n - 1`` (that row was replaced
+                                                   by one with a recomputed hash); at ``n = 1``:
+                                                   modified (a chain starts at GENESIS)
+a row that does not hash to its ``hash``           modified (content changed after writing)
+=================================================  ===========================================
+
+Checkpoints then: one beyond the chain's last row means the tail was cut (deleted, at the first
+missing position); one inside the verified prefix whose hash differs means the chain was
+re-hashed after the checkpoint (rewritten, at the checkpoint's position).
+
+Separately, each invocation's ``seq`` must run 1, 2, 3... without gaps or doubles.
+
+A chain has no key, so an attacker who can write the database can append well-formed rows to
+the end of a chain, or re-hash a whole chain; only checkpoints kept elsewhere (an earlier
+``audit export``) show the latter. docs/audit.md says what each finding means.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import inspect, select
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from .store.journal import GENESIS, canonical_time, chain_hash
+from .store.schema import events
+from .store.vault_schema import (
+    CHECKPOINT_EVERY_EVENTS,
+    CHECKPOINT_EVERY_SECONDS,
+    chain_checkpoints,
+    checkpoint_due,
+    checkpoint_row,
+)
+
+__all__ = [
+    "CHECKPOINT_EVERY_EVENTS",
+    "CHECKPOINT_EVERY_SECONDS",
+    "AuditInputError",
+    "AuditResult",
+    "Break",
+    "Damage",
+    "checkpoint_due",
+    "checkpoint_row",
+    "export_events",
+    "load_database",
+    "read_dump",
+    "verify",
+    "verify_database",
+    "verify_dump",
+]
+
+Row = Mapping[str, Any]
+EXPORT_FORMAT = "affidavit-audit-export"
+
+
+class Damage(StrEnum):
+    MODIFIED = "modified"
+    DELETED = "deleted"
+    INSERTED = "inserted"
+    REORDERED = "reordered"
+    REWRITTEN = "rewritten"
+
+
+class AuditInputError(Exception):
+    """The database or dump cannot be read as a journal (not the same as a broken chain)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Break:
+    """The first position in one chain (or one invocation) that is not what was written."""
+
+    kind: Damage
+    writer: str | None
+    writer_seq: int | None
+    invocation_id: str | None
+    seq: int | None
+    detail: str
+
+    def position(self) -> str:
+        parts = []
+        if self.writer is not None:
+            parts.append(f"writer {self.writer} writer_seq {self.writer_seq}")
+        if self.invocation_id is not None:
+            parts.append(f"invocation {self.invocation_id} seq {self.seq}")
+        return ", ".join(parts) or "unknown position"
+
+    def describe(self) -> str:
+        return f"{self.position()}: {self.kind.value}: {self.detail}"
+
+
+@dataclass(slots=True)
+class AuditResult:
+    events: int = 0
+    writers: int = 0
+    invocations: int = 0
+    checkpoints: int = 0
+    #: The first break of each broken chain (by writer name), then invocation-level breaks.
+    breaks: list[Break] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.breaks
+
+    @property
+    def first(self) -> Break | None:
+        return self.breaks[0] if self.breaks else None
+
+
+# -- the pure part -------------------------------------------------------------------------
+
+
+def verify(rows: Iterable[Row], checkpoints: Iterable[Row] = ()) -> AuditResult:
+    """Check every writer's chain, every invocation's ``seq`` and every checkpoint. No key needed."""
+    rows = list(rows)
+    checkpoints = list(checkpoints)
+    by_writer: dict[str, list[Row]] = defaultdict(list)
+    for row in rows:
+        by_writer[row["writer"]].append(row)
+    marks: dict[str, list[Row]] = defaultdict(list)
+    for mark in checkpoints:
+        marks[mark["writer"]].append(mark)
+    invocations = _Invocations(rows)
+    result = AuditResult(events=len(rows), writers=len(by_writer), invocations=len(invocations.seqs), checkpoints=len(checkpoints))
+    for writer in sorted(set(by_writer) | set(marks)):
+        found = _Chain(writer, by_writer.get(writer, []), invocations).check(marks.get(writer, []))
+        if found is not None:
+            result.breaks.append(found)
+    result.breaks.extend(invocations.breaks())
+    return result
+
+
+def _fits(row: Row, **position: Any) -> bool:
+    """Whether ``row`` hashes to its stored ``hash`` with ``position`` (e.g. writer_seq=5) in place."""
+    try:
+        return chain_hash({**row, **position}) == row["hash"]
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def _who(row: Row | None) -> tuple[str | None, int | None]:
+    return (row["invocation_id"], int(row["seq"])) if row is not None else (None, None)
+
+
+class _Invocations:
+    """Each invocation's stored seqs, for the contiguity check and to name a deleted row."""
+
+    def __init__(self, rows: list[Row]):
+        seqs: dict[str, dict[int, list[Row]]] = defaultdict(lambda: defaultdict(list))
+        for row in rows:
+            seqs[row["invocation_id"]][int(row["seq"])].append(row)
+        self.seqs = {invocation_id: dict(by_seq) for invocation_id, by_seq in seqs.items()}
+
+    def others(self, row: Row) -> list[int]:
+        return [s for s in self.seqs[row["invocation_id"]] if s != int(row["seq"])]
+
+    def gaps(self) -> list[tuple[str, int]]:
+        out = []
+        for invocation_id, by_seq in self.seqs.items():
+            out.extend((invocation_id, s) for s in range(1, max(by_seq) + 1) if s not in by_seq)
+        return out
+
+    def deleted_between(self, writer: str, first: int, last: int) -> tuple[str | None, int | None]:
+        """The one (invocation, seq) missing whose neighbours in ``writer`` bracket ``first..last``."""
+        found = []
+        for invocation_id, s in self.gaps():
+            before = [r for r in self.seqs[invocation_id].get(s - 1, []) if r["writer"] == writer]
+            after = [r for r in self.seqs[invocation_id].get(s + 1, []) if r["writer"] == writer]
+            if all(int(r["writer_seq"]) < first for r in before) and all(int(r["writer_seq"]) > last for r in after):
+                found.append((invocation_id, s))
+        return found[0] if len(found) == 1 else (None, None)
+
+    def breaks(self) -> list[Break]:
+        """The first seq of each invocation that is missing, doubled or below 1."""
+        out = []
+        for invocation_id in sorted(self.seqs):
+            by_seq = self.seqs[invocation_id]
+            for s in range(min(min(by_seq), 1), max(by_seq) + 1):
+                rows = by_seq.get(s, [])
+                if s < 1 and rows:
+                    out.append(Break(Damage.INSERTED, rows[0]["writer"], int(rows[0]["writer_seq"]), invocation_id, s, "an event with a seq below 1, which no broker writes"))
+                elif s >= 1 and not rows:
+                    out.append(Break(Damage.DELETED, None, None, invocation_id, s, "the invocation's events skip this seq: an event was removed"))
+                elif len(rows) > 1:
+                    out.append(Break(Damage.INSERTED, rows[1]["writer"], int(rows[1]["writer_seq"]), invocation_id, s, "two events claim this seq"))
+                else:
+                    continue
+                break
+        return out
+
+
+class _Chain:
+    """One writer's rows, indexed by stored position and by the hashes they link."""
+
+    def __init__(self, writer: str, rows: list[Row], invocations: _Invocations):
+        self.writer = writer
+        self.invocations = invocations
+        by_ws: dict[int, list[Row]] = defaultdict(list)
+        by_prev: dict[str, list[Row]] = defaultdict(list)
+        by_hash: dict[str, list[Row]] = defaultdict(list)
+        for row in sorted(rows, key=lambda r: (int(r["writer_seq"]), str(r["hash"]))):
+            by_ws[int(row["writer_seq"])].append(row)
+            by_prev[row["prev_hash"]].append(row)
+            by_hash[row["hash"]].append(row)
+        self.by_ws, self.by_prev, self.by_hash = dict(by_ws), dict(by_prev), dict(by_hash)
+        self.last = max(self.by_ws, default=0)
+        #: position -> hash, for the verified prefix of the chain
+        self.verified: dict[int, str] = {}
+
+    def _break(self, kind: Damage, n: int, row: Row | None, detail: str) -> Break:
+        invocation_id, seq = _who(row)
+        return Break(kind, self.writer, n, invocation_id, seq, detail)
+
+    def check(self, marks: list[Row]) -> Break | None:
+        """The first break of the walk, unless a checkpoint shows an earlier one (or a cut tail)."""
+        found = self._walk()
+        for mark in sorted(marks, key=lambda m: int(m["writer_seq"])):
+            n = int(mark["writer_seq"])
+            if found is not None and n >= found.writer_seq:  # type: ignore[operator]
+                break  # past the first break nothing can be judged
+            if n > self.last:
+                return self._break(
+                    Damage.DELETED, self.last + 1, None,
+                    f"a checkpoint records that this chain reached writer_seq {n}, but it ends at "
+                    f"{self.last}: its last {n - self.last} event(s) were removed",
+                )
+            if self.verified.get(n) != mark["hash"]:
+                row = self.by_ws[n][0]
+                return self._break(
+                    Damage.REWRITTEN, n, row,
+                    f"the chain links up, but a checkpoint recorded hash {str(mark['hash'])[:16]}... here and the "
+                    f"row has {row['hash'][:16]}...: the chain up to here was re-hashed after the checkpoint",
+                )
+        return found
+
+    def _walk(self) -> Break | None:
+        """Accept positions 1, 2, 3... while each holds its rightful row; diagnose the first that does not."""
+        below = sorted(k for k in self.by_ws if k < 1)
+        if below:
+            return self._break(Damage.INSERTED, below[0], self.by_ws[below[0]][0], "a row at a position below 1, which no writer produces")
+        prev = GENESIS
+        for n in range(1, self.last + 1):
+            here = self.by_ws.get(n, [])
+            rightful = self._rightful(n, prev)
+            if len(here) != 1 or here[0] is not rightful:
+                return self._diagnose(n, prev, here, rightful)
+            prev = self.verified[n] = rightful["hash"]
+        return None
+
+    def _rightful(self, n: int, prev: str) -> Row | None:
+        """The row written at ``n``: it links to ``prev`` and hashes with writer_seq ``n``.
+
+        Of two such rows (one forged with a correct hash), the one the chain continues
+        through is the original; then the one stored at ``n``.
+        """
+        fitting = [r for r in self.by_prev.get(prev, []) if _fits(r, writer_seq=n)]
+        fitting.sort(key=lambda r: (r["hash"] not in self.by_prev, int(r["writer_seq"]) != n))
+        return fitting[0] if fitting else None
+
+    def _diagnose(self, n: int, prev: str, here: list[Row], rightful: Row | None) -> Break:
+        """Name the damage at position ``n`` from the evidence (rules in the module docstring)."""
+        if not here:
+            if rightful is not None:
+                return self._break(
+                    Damage.REORDERED, n, rightful,
+                    f"position {n} is empty; the row written here is stored at writer_seq {rightful['writer_seq']}",
+                )
+            following = min(k for k in self.by_ws if k > n)
+            invocation_id, seq = self.invocations.deleted_between(self.writer, n, following - 1)
+            span = f"writer_seq {n}" + (f" to {following - 1}" if following - n > 1 else "")
+            return Break(Damage.DELETED, self.writer, n, invocation_id, seq, f"{span} missing: {following - n} event(s) removed from the chain")
+        if len(here) > 1:
+            intruder = next(r for r in here if r is not rightful)
+            return self._break(Damage.INSERTED, n, intruder, f"{len(here)} rows claim this position; the chain does not pass through this one")
+        row = here[0]
+        home = self._home(row, n)
+        if rightful is not None:
+            if home is not None:
+                return self._break(
+                    Damage.REORDERED, n, row,
+                    f"this row was written at writer_seq {home}, and the row written here is stored at "
+                    f"writer_seq {rightful['writer_seq']}: rows were swapped",
+                )
+            return self._break(
+                Damage.INSERTED, n, row,
+                f"this row is not part of the chain; the row written here (invocation {rightful['invocation_id']} "
+                f"seq {rightful['seq']}) is stored at writer_seq {rightful['writer_seq']}, pushed along by the insertion",
+            )
+        other_seq = next((s for s in self.invocations.others(row) if _fits(row, seq=s)), None)
+        if other_seq is not None:
+            return self._break(
+                Damage.REORDERED, n, row,
+                f"this event was written as seq {other_seq} of its invocation and is now stored as seq {row['seq']}: "
+                "events of the invocation were swapped",
+            )
+        if home is not None and home > n:
+            invocation_id, seq = self.invocations.deleted_between(self.writer, n, n - 1)
+            return Break(
+                Damage.DELETED, self.writer, n, invocation_id, seq,
+                f"the row stored here was written at writer_seq {home}: {home - n} event(s) from writer_seq {n} on "
+                "were removed and the later rows renumbered to close the gap",
+            )
+        if home is not None:
+            return self._break(
+                Damage.INSERTED, n, row,
+                f"this row hashes as writer_seq {home}, a position already taken: a copy or a forgery",
+            )
+        if _fits(row, writer_seq=n):
+            if n == 1:
+                return self._break(Damage.MODIFIED, n, row, "the first row of a chain must link to the genesis hash, and this one does not")
+            return self._break(
+                Damage.MODIFIED, n - 1, self.by_ws[n - 1][0],
+                f"the row at writer_seq {n} is intact but was chained to another predecessor: the row here was "
+                "replaced by one with a recomputed hash",
+            )
+        return self._break(
+            Damage.MODIFIED, n, row,
+            "the stored row no longer hashes to its recorded hash: its content (kind, payload, time, key id, "
+            "invocation or seq) was changed after it was written" + ("" if row["prev_hash"] == prev else ", and so was its link"),
+        )
+
+    def _home(self, row: Row, n: int) -> int | None:
+        """Another position at which ``row`` hashes, judged from its neighbours' links."""
+        candidates = {n - 1, n + 1}
+        if row["prev_hash"] == GENESIS:
+            candidates.add(1)
+        candidates.update(int(p["writer_seq"]) + 1 for p in self.by_hash.get(row["prev_hash"], []))
+        candidates.update(int(s["writer_seq"]) - 1 for s in self.by_prev.get(row["hash"], []))
+        return next((k for k in sorted(candidates) if k != n and k >= 1 and _fits(row, writer_seq=k)), None)
+
+
+# -- reading a database or a dump ---------------------------------------------------------
+
+
+async def load_database(url: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every event row and every checkpoint, as stored (payload bytes untouched).
+
+    Raises :class:`AuditInputError` when the database cannot be read at all.
+    """
+    where = make_url(url).render_as_string(hide_password=True)
+    database = make_url(url).database
+    if url.startswith("sqlite") and database not in (None, "", ":memory:") and not Path(database).is_file():
+        raise AuditInputError(f"{where}: no such database file")  # connecting would create an empty one
+    try:
+        return await _read(url)
+    except (SQLAlchemyError, OSError) as exc:
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:200]
+        raise AuditInputError(f"{where}: the journal could not be read ({reason})") from None
+
+
+async def _read(url: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            tables = await conn.run_sync(lambda c: set(inspect(c).get_table_names()))
+            if "events" not in tables:
+                raise AuditInputError("this database has no events table; is it an Affidavit journal? (`affidavit db upgrade`)")
+            # Checkpoints first: one committed with later events (brokers keep writing while we
+            # read) then never points past the events we read, which would look like a cut tail.
+            marks = []
+            if "chain_checkpoints" in tables:
+                query = select(chain_checkpoints).order_by(chain_checkpoints.c.writer, chain_checkpoints.c.writer_seq)
+                marks = [dict(r) for r in (await conn.execute(query)).mappings()]
+            rows = [dict(r) for r in (await conn.execute(select(events).order_by(events.c.writer, events.c.writer_seq))).mappings()]
+    finally:
+        await engine.dispose()
+    return rows, marks
+
+
+def verify_database(url: str, extra_checkpoints: Iterable[Row] = ()) -> AuditResult:
+    """Verify a live journal. Synchronous (call it outside an event loop); reads no key."""
+    rows, marks = asyncio.run(load_database(url))
+    return verify(rows, [*marks, *extra_checkpoints])
+
+
+def verify_dump(path: Path, extra_checkpoints: Iterable[Row] = ()) -> AuditResult:
+    rows, marks = read_dump(path)
+    return verify(rows, [*marks, *extra_checkpoints])
+
+
+def export_events(url: str, path: Path) -> tuple[int, int]:
+    """Write every event (payload base64) and checkpoint as JSON lines; returns the counts.
+
+    The file is created with mode 0600: with encryption off, payloads are plaintext.
+    """
+    rows, marks = asyncio.run(load_database(url))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        header = {"type": EXPORT_FORMAT, "format": 1, "exported_at": canonical_time(datetime.now(UTC))}
+        out.write(json.dumps(header) + "\n")
+        for row in rows:
+            out.write(json.dumps(_event_line(row), sort_keys=True) + "\n")
+        for mark in marks:
+            line = {"type": "checkpoint", "writer": mark["writer"], "writer_seq": int(mark["writer_seq"]),
+                    "hash": mark["hash"], "at": canonical_time(mark["at"])}
+            out.write(json.dumps(line, sort_keys=True) + "\n")
+    return len(rows), len(marks)
+
+
+def _event_line(row: Row) -> dict[str, Any]:
+    return {
+        "type": "event",
+        "invocation_id": row["invocation_id"],
+        "seq": int(row["seq"]),
+        "kind": row["kind"],
+        "at": canonical_time(row["at"]),
+        "writer": row["writer"],
+        "writer_seq": int(row["writer_seq"]),
+        "prev_hash": row["prev_hash"],
+        "hash": row["hash"],
+        "key_id": row["key_id"],
+        "payload": base64.b64encode(bytes(row["payload"])).decode("ascii"),
+    }
+
+
+def read_dump(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Events and checkpoints from an :func:`export_events` file (line order does not matter)."""
+    rows: list[dict[str, Any]] = []
+    marks: list[dict[str, Any]] = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AuditInputError(f"{path}: cannot read the dump ({exc})") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            kind = item.pop("type")
+            if kind == "event":
+                _check_types(item, _EVENT_FIELDS)
+                item["payload"] = base64.b64decode(item["payload"], validate=True)
+                rows.append(item)
+            elif kind == "checkpoint":
+                _check_types(item, _CHECKPOINT_FIELDS)
+                marks.append(item)
+            elif kind != EXPORT_FORMAT:
+                raise ValueError(f"unknown line type {kind!r}")
+        except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as exc:
+            raise AuditInputError(f"{path}:{number}: not a line of an audit export ({exc})") from None
+    return rows, marks
+
+
+_EVENT_FIELDS: dict[str, tuple[type, ...]] = {
+    "invocation_id": (str,), "seq": (int,), "kind": (str,), "at": (str,), "writer": (str,), "writer_seq": (int,),
+    "prev_hash": (str,), "hash": (str,), "key_id": (str, type(None)), "payload": (str,),
+}
+_CHECKPOINT_FIELDS: dict[str, tuple[type, ...]] = {"writer": (str,), "writer_seq": (int,), "hash": (str,)}
+
+
+def _check_types(item: dict[str, Any], fields: dict[str, tuple[type, ...]]) -> None:
+    for name, types in fields.items():
+        if name not in item:
+            raise KeyError(f"missing {name!r}")
+        if not isinstance(item[name], types) or isinstance(item[name], bool):
+            raise TypeError(f"{name!r} has the wrong type")

@@ -1,0 +1,310 @@
+"""Operator commands that read the journal directly: ``invocations``, ``metrics``.
+
+They need only the configuration (the database URL), not a running broker, so they work at 3 a.m.
+when the brokers are the problem. Nothing they print can hold a secret: the journal holds none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Annotated, Any, Awaitable, Callable, Optional, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy import text
+
+from .config import ConfigError, Settings, load_settings, parse_duration
+from .crypto import KeyRing, payload_decoder, result_decoder
+from .invocation_view import describe
+from .store import queries
+from .store.journal import make_engine
+
+T = TypeVar("T")
+
+ConfigOption = Annotated[
+    Optional[Path],
+    typer.Option("--config", "-c", envvar="AFFIDAVIT_CONFIG", help="TOML configuration file (default ./affidavit.toml)."),
+]
+
+invocations_app = typer.Typer(help="Recorded invocations, straight from the journal.", no_args_is_help=True)
+console = Console()
+
+
+def settings_or_exit(config: Path | None) -> Settings:
+    try:
+        return load_settings(config)
+    except ConfigError as exc:
+        typer.echo(f"affidavit: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def ring_of(settings: Settings) -> KeyRing:
+    """The configured key ring (encrypted payloads and results need it to be read)."""
+    try:
+        return KeyRing.from_settings(settings.crypto)
+    except ConfigError as exc:
+        typer.echo(f"affidavit: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
+    """Run ``work(engine)`` against the configured journal; a database error is one clear line."""
+
+    async def run() -> T:
+        engine = make_engine(settings.database.url, pool_size=2)
+        try:
+            return await work(engine)
+        finally:
+            await engine.dispose()
+
+    try:
+        return asyncio.run(run())
+    except Exception as exc:
+        if isinstance(exc, typer.Exit):
+            raise
+        typer.echo(f"affidavit: the journal could not be read ({exc.__class__.__name__}: {str(exc).splitlines()[0][:200]})", err=True)
+        raise typer.Exit(1) from None
+
+
+@invocations_app.callback()
+def _invocations() -> None:
+    """Recorded invocations, straight from the journal."""
+
+
+@invocations_app.command("list")
+def invocations_list(
+    config: ConfigOption = None,
+    outcome: Annotated[Optional[str], typer.Option(help="not_attempted, rejected, committed, unknown")] = None,
+    route: Optional[str] = None,
+    phase: Optional[str] = None,
+    code: Optional[str] = None,
+    since: Annotated[str, typer.Option(help="Time window, e.g. 1h, 24h, 7d.")] = "24h",
+    limit: int = 50,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON lines instead of a table.")] = False,
+) -> None:
+    """The newest invocations, filtered."""
+    settings = settings_or_exit(config)
+    since_at = datetime.now(UTC) - timedelta(seconds=parse_duration(since))
+    rows = with_engine(
+        settings,
+        lambda engine: queries.list_invocations(
+            engine, outcome=outcome, route=route, phase=phase, code=code, since=since_at, limit=limit
+        ),
+    )
+    columns = ("invocation_id", "created_at", "agent", "route", "method", "phase", "outcome", "code", "retry", "status")
+    if as_json:
+        for row in rows:
+            typer.echo(json.dumps({c: row[c] for c in columns}, default=str))
+        return
+    table = Table(title=f"invocations (last {since})")
+    table.add_column(columns[0], no_wrap=True, min_width=30)
+    for column in columns[1:]:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(("" if row[c] is None else str(row[c])) for c in columns))
+    console.print(table)
+
+
+@invocations_app.command("show")
+def invocations_show(invocation_id: str, config: ConfigOption = None) -> None:
+    """One invocation's whole record, as the side API shows it to the operator (JSON)."""
+    settings = settings_or_exit(config)
+
+    async def read(engine: Any) -> dict[str, Any] | None:
+        row = await queries.invocation(engine, invocation_id)
+        if row is None:
+            return None
+        rows, events = await queries.events_of(engine, invocation_id, payload_decoder(ring_of(settings)))
+        return describe(row, events, operator=True, event_times={r["seq"]: r["at"] for r in rows})
+
+    view = with_engine(settings, read)
+    if view is None:
+        typer.echo(f"affidavit: no invocation {invocation_id!r} in the journal", err=True)
+        raise typer.Exit(1)
+    typer.echo(json.dumps(view, indent=2, default=str))
+
+
+@invocations_app.command("result")
+def invocations_result(
+    invocation_id: str,
+    config: ConfigOption = None,
+    headers: Annotated[bool, typer.Option(help="Print the status line and headers too.")] = False,
+) -> None:
+    """Write the recorded final response's body to stdout (a read: nothing is re-executed)."""
+    settings = settings_or_exit(config)
+    decode = result_decoder(ring_of(settings))
+    stored = with_engine(settings, lambda engine: queries.stored_result(engine, invocation_id, decode))
+    if stored is None:
+        typer.echo(f"affidavit: invocation {invocation_id!r} has no stored result", err=True)
+        raise typer.Exit(1)
+    if headers:
+        typer.echo(f"HTTP {stored['status']}")
+        for name, value in stored["headers"]:
+            typer.echo(f"{name}: {value}")
+        typer.echo("")
+    sys.stdout.buffer.write(bytes(stored["body"]))
+    sys.stdout.flush()
+
+
+PHASES = ("validation", "credential_injection", "connection_setup", "remote_execution", "result_delivery")
+OUTCOMES = ("not_attempted", "rejected", "committed", "unknown", "partial_effect")
+
+
+def metrics(
+    config: ConfigOption = None,
+    since: Annotated[str, typer.Option(help="Time window, e.g. 1h, 24h, 7d.")] = "24h",
+    route: Optional[str] = None,
+) -> None:
+    """The phase x outcome table for a time window, from the invocation_outcomes view."""
+    settings = settings_or_exit(config)
+    since_at = (datetime.now(UTC) - timedelta(seconds=parse_duration(since))).replace(minute=0, second=0, microsecond=0)
+
+    async def read(engine: Any) -> list[Any]:
+        where = "WHERE bucket >= :since" + (" AND route = :route" if route else "")
+        async with engine.connect() as conn:
+            # Buckets are UTC wall-clock hours: a naive timestamp (PostgreSQL) or text (SQLite).
+            if conn.dialect.name == "postgresql":
+                bucket: Any = since_at.replace(tzinfo=None)
+            else:
+                bucket = since_at.strftime("%Y-%m-%d %H:00:00")
+            result = await conn.execute(
+                text(f"SELECT phase, outcome, sum(invocations) FROM invocation_outcomes {where} GROUP BY phase, outcome"),
+                {"since": bucket, "route": route},
+            )
+            return list(result.all())
+
+    rows = with_engine(settings, read)
+    counts = {(phase, outcome): int(n) for phase, outcome, n in rows}
+    table = Table(title=f"invocations by phase x outcome, last {since}" + (f", route {route}" if route else ""))
+    table.add_column("phase")
+    for outcome in OUTCOMES:
+        table.add_column(outcome, justify="right")
+    table.add_column("total", justify="right")
+    for phase in PHASES:
+        values = [counts.get((phase, outcome), 0) for outcome in OUTCOMES]
+        table.add_row(phase, *(str(v) if v else "." for v in values), str(sum(values)))
+    totals = [sum(counts.get((p, o), 0) for p in PHASES) for o in OUTCOMES]
+    table.add_row("total", *(str(v) for v in totals), str(sum(totals)), style="bold")
+    console.print(table)
+    unknown = counts.get(("remote_execution", "unknown"), 0)
+    setup = counts.get(("connection_setup", "not_attempted"), 0)
+    console.print(
+        f"remote_execution/unknown: {unknown} (may have had effects: reconcile, never re-send blindly); "
+        f"connection_setup/not_attempted: {setup} (nothing was sent)"
+    )
+
+
+# -- decisions, through the side API of a running broker ----------------------------------------
+
+approvals_app = typer.Typer(help="Requests held for an operator's approval.", no_args_is_help=True)
+
+
+def operator_api(settings: Settings) -> Any:
+    """The side API of the configured broker, with the operator token from its configured source."""
+    from .client import SideAPI
+    from .credentials import CredentialUnavailable, read_source
+
+    if not settings.api.operator_token:
+        typer.echo("affidavit: api.operator_token is not configured; operator commands need it", err=True)
+        raise typer.Exit(2)
+    try:
+        token, _ = read_source(settings.api.operator_token, what="api.operator_token")
+    except CredentialUnavailable as exc:
+        typer.echo(f"affidavit: {exc.message}", err=True)
+        raise typer.Exit(2) from None
+    host, port = settings.api.listen.rsplit(":", 1)
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
+    return SideAPI(f"http://{host}:{port}", token, timeout=60)
+
+
+def call_api(settings: Settings, method: str, path: str, body: Any = None) -> Any:
+    from .client import SideAPIUnavailable
+
+    try:
+        status, answer = operator_api(settings).call(method, path, body)
+    except SideAPIUnavailable as exc:
+        typer.echo(f"affidavit: {exc} (is the broker running?)", err=True)
+        raise typer.Exit(1) from None
+    if status >= 400:
+        detail = answer.get("detail") if isinstance(answer, dict) else answer
+        typer.echo(f"affidavit: {status}: {detail}", err=True)
+        raise typer.Exit(1)
+    return answer
+
+
+@approvals_app.callback()
+def _approvals() -> None:
+    """Requests held for an operator's approval."""
+
+
+@approvals_app.command("list")
+def approvals_list(
+    config: ConfigOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON lines instead of a table.")] = False,
+) -> None:
+    """Held requests with what each approval would authorise."""
+    settings = settings_or_exit(config)
+    items = call_api(settings, "GET", "/v1/approvals")["items"]
+    if as_json:
+        for card in items:
+            typer.echo(json.dumps(card))
+        return
+    if not items:
+        console.print("no request is waiting for approval")
+        return
+    table = Table(title="held for approval")
+    table.add_column("invocation_id", no_wrap=True, min_width=30)
+    for column in ("agent", "route", "method", "target", "body", "credential", "approves", "retry?"):
+        table.add_column(column)
+    for card in items:
+        table.add_row(
+            card["invocation_id"], card["agent"], card["route"], card["method"], card["target"],
+            f"{card['body_bytes']} B sha256:{card['body_sha256'][:12]}",
+            f"{card.get('credential_id') or '-'} {card.get('credential_version') or ''}",
+            card["approves"][:19], "uncertain retry" if card.get("retry_of_uncertain_action") else "",
+        )
+    console.print(table)
+
+
+def _decide(config: Path | None, invocation_id: str, decision: str, note: str | None) -> None:
+    settings = settings_or_exit(config)
+    record = call_api(settings, "POST", f"/v1/approvals/{invocation_id}", {"decision": decision, "note": note})
+    typer.echo(f"{invocation_id}: {decision}d (stage {record['stage']}, outcome {record['outcome']})")
+
+
+@approvals_app.command("approve")
+def approvals_approve(invocation_id: str, config: ConfigOption = None, note: Optional[str] = None) -> None:
+    """Approve exactly the request on the card (one attempt, this fingerprint)."""
+    _decide(config, invocation_id, "approve", note)
+
+
+@approvals_app.command("deny")
+def approvals_deny(invocation_id: str, config: ConfigOption = None, note: Optional[str] = None) -> None:
+    """Deny a held request: nothing is sent, no secret is touched."""
+    _decide(config, invocation_id, "deny", note)
+
+
+def reconcile(
+    invocation_id: str,
+    config: ConfigOption = None,
+    outcome: Annotated[Optional[str], typer.Option(help="committed, rejected or partial_effect")] = None,
+    reference: Annotated[Optional[str], typer.Option(help="The remote's id for the operation.")] = None,
+    note: Optional[str] = None,
+    lookup: Annotated[bool, typer.Option("--lookup", help="Ask the remote through the route's declared lookup.")] = False,
+) -> None:
+    """Append what is known about an invocation's effect; its original record stays as it was."""
+    settings = settings_or_exit(config)
+    body = {"outcome": outcome, "reference": reference, "note": note, "lookup": lookup}
+    record = call_api(settings, "POST", f"/v1/invocations/{invocation_id}/reconcile", body)
+    found = record.get("lookup")
+    if found:
+        typer.echo(f"lookup {found['lookup_invocation_id']} answered {found['status']}: {found['finding']}")
+    typer.echo(
+        f"{invocation_id}: outcome {record['outcome']} ({record['evidence']['certainty']}), "
+        f"caller disposition {record['caller_disposition']}, retry {record['retry']}"
+    )

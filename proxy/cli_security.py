@@ -1,0 +1,277 @@
+"""``affidavit secrets``, ``affidavit audit`` and ``affidavit keys``: the vault, the audit chain, keys.
+
+Registered in :mod:`proxy.cli`. Nothing here prints a secret value or key material: values are
+read from stdin or a hidden prompt (never argv, which shell history and ``ps`` keep), keys are
+written to a 0600 file and only its path is shown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any, Awaitable, Callable, NoReturn, Optional, TypeVar
+
+import typer
+from sqlalchemy.exc import SQLAlchemyError
+
+from .config import ConfigError, Settings, load_settings
+from .credentials import CredentialUnavailable
+
+T = TypeVar("T")
+
+# Same option as proxy.cli (copied, not imported: proxy.cli imports this module to register it).
+ConfigOption = Annotated[
+    Optional[Path],
+    typer.Option("--config", "-c", envvar="AFFIDAVIT_CONFIG", help="TOML configuration file (default ./affidavit.toml)."),
+]
+
+secrets_app = typer.Typer(help="Secrets in the encrypted vault (values from stdin or a prompt, never argv).", no_args_is_help=True)
+audit_app = typer.Typer(help="The audit hash chain: verify offline without any key, export.", no_args_is_help=True)
+keys_app = typer.Typer(help="Encryption keys (the crypto.keys setting) for the vault, payloads and results.", no_args_is_help=True)
+
+
+@secrets_app.callback()
+def _secrets() -> None:
+    """Secrets in the encrypted vault (values from stdin or a prompt, never argv)."""
+
+
+@audit_app.callback()
+def _audit() -> None:
+    """The audit hash chain: verify offline without any key, export."""
+
+
+@keys_app.callback()
+def _keys() -> None:
+    """Encryption keys (the crypto.keys setting) for the vault, payloads and results."""
+
+
+def _settings(config: Path | None) -> Settings:
+    try:
+        return load_settings(config)
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+
+
+def _fail(message: str, code: int = 1) -> NoReturn:
+    typer.echo(f"affidavit: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password masked, fit for messages."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:  # not a URL at all: show nothing of it
+        return "the given database"
+
+
+def _with_engine(url: str, work: Callable[[Any], Awaitable[T]]) -> T:
+    """Run ``work(engine)`` on the journal database; database errors become one clear line."""
+    from .store.journal import make_engine
+
+    async def run() -> T:
+        engine = make_engine(url)
+        try:
+            return await work(engine)
+        finally:
+            await engine.dispose()
+
+    try:
+        return asyncio.run(run())
+    except (SQLAlchemyError, OSError) as exc:
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:200]
+        _fail(f"the database {redact_url(url)} could not be used ({reason}); is it reachable and upgraded (`affidavit db upgrade`)?")
+
+
+# -- secrets ---------------------------------------------------------------------------------
+
+_ARGV_REFUSED = (
+    "secret values are never taken from the command line (shell history and process lists keep "
+    "them); nothing was stored. Pipe the value in: `printf %s \"$VALUE\" | affidavit secrets {verb} NAME`, "
+    "or run the command in a terminal to be prompted"
+)
+_EXTRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _read_value(ctx: typer.Context, verb: str) -> str:
+    if ctx.args:
+        _fail(_ARGV_REFUSED.format(verb=verb), 2)  # never echo ctx.args: it is the secret
+    if sys.stdin is None or not sys.stdin.isatty():
+        value = sys.stdin.read() if sys.stdin is not None else ""
+        value = value.removesuffix("\n").removesuffix("\r")  # the one newline `echo` adds
+    else:
+        value = typer.prompt("Value", hide_input=True, confirmation_prompt=True)
+    if not value:
+        _fail("no value was given (stdin was empty); nothing was stored")
+    return value
+
+
+def _store(ctx: typer.Context, config: Path | None, name: str, verb: str) -> None:
+    from . import vault
+    from .crypto import KeyRing
+
+    value = _read_value(ctx, verb)
+    settings = _settings(config)
+    try:
+        ring = KeyRing.from_settings(settings.crypto)
+        store = vault.rotate if verb == "rotate" else vault.put
+        version = _with_engine(settings.database.url, lambda engine: store(engine, ring, name, value))
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+    except CredentialUnavailable as exc:
+        _fail(f"{exc.message} ({exc.code.value}); nothing was stored")
+    except ValueError as exc:
+        _fail(f"{exc}; nothing was stored", 2)
+    typer.echo(f"affidavit: stored {name} {version}")
+
+
+@secrets_app.command("set", context_settings=_EXTRA_ARGS)
+def secrets_set(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="The secret's name, as in `from = \"vault:NAME\"`.")],
+    config: ConfigOption = None,
+) -> None:
+    """Store a new version of NAME (created if new). The value comes from stdin or a hidden prompt."""
+    _store(ctx, config, name, "set")
+
+
+@secrets_app.command("rotate", context_settings=_EXTRA_ARGS)
+def secrets_rotate(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="A secret already in the vault.")],
+    config: ConfigOption = None,
+) -> None:
+    """Store a new version of an existing NAME; new invocations use it, old records keep theirs."""
+    _store(ctx, config, name, "rotate")
+
+
+@secrets_app.command("list")
+def secrets_list(config: ConfigOption = None) -> None:
+    """Names and versions in the vault (never values)."""
+    from . import vault
+
+    settings = _settings(config)
+    listing = _with_engine(settings.database.url, vault.list_secrets)
+    if not listing:
+        typer.echo("affidavit: the vault is empty; store a secret with `affidavit secrets set NAME`")
+        return
+    for name, versions in listing.items():
+        shown = ", ".join(f"{v.version} (key {v.key_id}, {v.created_at:%Y-%m-%d %H:%M})" for v in versions)
+        typer.echo(f"{name}: {shown}; in use: {versions[-1].version}")
+
+
+# -- audit -----------------------------------------------------------------------------------
+
+
+@audit_app.command("verify")
+def audit_verify(
+    config: ConfigOption = None,
+    database: Annotated[Optional[str], typer.Option("--database", help="Database URL (default: the configured journal).")] = None,
+    dump: Annotated[Optional[Path], typer.Option("--dump", help="A file written by `affidavit audit export`.")] = None,
+    checkpoints: Annotated[
+        Optional[Path], typer.Option("--checkpoints", help="An earlier export whose checkpoints must also hold (kept off the database host).")
+    ] = None,
+) -> None:
+    """Check the hash chains offline, over the stored ciphertext, without any key. Exit 1 if broken."""
+    from . import audit
+
+    if database is not None and dump is not None:
+        _fail("give --database or --dump, not both", 2)
+    try:
+        extra = audit.read_dump(checkpoints)[1] if checkpoints is not None else []
+        if dump is not None:
+            result, source = audit.verify_dump(dump, extra), str(dump)
+        else:
+            url = database or _settings(config).database.url
+            result, source = audit.verify_database(url, extra), redact_url(url)
+    except audit.AuditInputError as exc:
+        _fail(str(exc), 2)
+    counts = (
+        f"{result.events} event(s) in {result.writers} writer chain(s), {result.invocations} invocation(s), "
+        f"{result.checkpoints} checkpoint(s)"
+    )
+    if result.ok:
+        typer.echo(f"affidavit: audit chain intact in {source}: {counts}; verified without any key")
+        return
+    first = result.first
+    assert first is not None
+    typer.echo(f"affidavit: audit chain BROKEN in {source} at {first.describe()}", err=True)
+    if len(result.breaks) > 1:
+        typer.echo(f"affidavit: {len(result.breaks) - 1} more problem(s):", err=True)
+        for other in result.breaks[1:]:
+            typer.echo(f"  {other.describe()}", err=True)
+    typer.echo(
+        f"affidavit: ({counts}.) Events from the first broken position on in that chain cannot be trusted; "
+        "compare with a backup or an earlier `affidavit audit export`, and see docs/audit.md",
+        err=True,
+    )
+    raise typer.Exit(1)
+
+
+@audit_app.command("export")
+def audit_export(
+    out: Annotated[Path, typer.Option("--out", help="File to write (JSON lines, mode 0600).")],
+    config: ConfigOption = None,
+    database: Annotated[Optional[str], typer.Option("--database", help="Database URL (default: the configured journal).")] = None,
+) -> None:
+    """Write every event (payload as stored, base64) and checkpoint, for offline verification."""
+    from . import audit
+
+    url = database or _settings(config).database.url
+    try:
+        count, marks = audit.export_events(url, out)
+    except audit.AuditInputError as exc:
+        _fail(str(exc), 2)
+    except OSError as exc:
+        _fail(f"cannot write {out}: {exc.strerror}", 2)
+    typer.echo(f"affidavit: wrote {count} event(s) and {marks} checkpoint(s) to {out}; verify with `affidavit audit verify --dump {out}`")
+
+
+# -- keys ------------------------------------------------------------------------------------
+
+_KEY_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # as accepted by [crypto] keys
+
+
+@keys_app.command("generate")
+def keys_generate(
+    config: ConfigOption = None,
+    key_id: Annotated[Optional[str], typer.Option("--id", help="Key id (default k<UTC timestamp>).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Where to write the key (default .affidavit/keys/<id>.key).")] = None,
+) -> None:
+    """Write a new random 256-bit key to a file only you can read; print how to list it."""
+    from .crypto import generate_key
+
+    key_id = key_id or f"k{datetime.now(UTC):%Y%m%d%H%M%S}"
+    if not _KEY_ID.fullmatch(key_id):
+        _fail("a key id is 1-64 letters, digits, '_', '.' or '-'", 2)
+    path = (out or Path(".affidavit") / "keys" / f"{key_id}.key").absolute()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        _fail(f"{path} already exists; a key file is never overwritten (choose another --out or --id)", 2)
+    except OSError as exc:
+        _fail(f"cannot create {path}: {exc.strerror}", 2)
+    with os.fdopen(fd, "w", encoding="ascii") as handle:
+        handle.write(generate_key() + "\n")
+    existing = _existing_keys(config)
+    listed = ", ".join(f'"{entry}"' for entry in [f"{key_id}=file:{path}", *existing])
+    typer.echo(f"affidavit: wrote a new key '{key_id}' to {path} (mode 0600)")
+    typer.echo("Reference it in affidavit.toml; the first key encrypts, the others still decrypt:")
+    typer.echo("  [crypto]")
+    typer.echo(f"  keys = [{listed}]")
+
+
+def _existing_keys(config: Path | None) -> list[str]:
+    """The configured key references (not keys), so the printed line keeps them; [] if unreadable."""
+    try:
+        return list(load_settings(config).crypto.keys)
+    except ConfigError:
+        return []

@@ -1,0 +1,81 @@
+"""What people decide, appended to the record: approvals, denials, reconciliations.
+
+Each decision is one more event on an existing invocation, with its own sequence number; nothing
+earlier is rewritten (the caller's disposition and the dispatch evidence stay as they were). The
+contract refuses what a decision may not claim: a reconciliation is never ``not_attempted`` or
+``unknown``, and only a held request can be approved or denied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .broker import identity_of
+from .contract import EventKind, IllegalTransition, Outcome, Record, Stage, project
+from .invocation_log import InvocationLog
+from .store import queries
+from .store.journal import Journal, LeaseLost
+
+RECONCILABLE = (Outcome.COMMITTED, Outcome.REJECTED, Outcome.PARTIAL_EFFECT)
+
+
+class DecisionRefused(Exception):
+    """The decision does not fit the record (``status`` is the HTTP status to answer with)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+async def _append(journal: Journal, row: dict[str, Any], kind: EventKind, data: dict[str, Any]) -> Record:
+    _, events = await queries.events_of(journal.engine, row["invocation_id"], journal.decode_payload)
+    entry = InvocationLog(journal, identity_of(row), row["owner"], record=project(events), persisted=True,
+                          generation=row["generation"])
+    entry.credential = (row["credential_id"], row["credential_version"], row["injection"])
+    entry.lease_expires_at = row["lease_expires_at"]  # the holder's lease is the holder's: keep it
+    try:
+        entry.append(kind, **data)
+    except IllegalTransition as exc:
+        raise DecisionRefused(409, f"invocation {row['invocation_id']} (stage {entry.record.stage.value}) "
+                                   f"cannot take {kind.value}: {exc}") from None
+    try:
+        await entry.commit()
+    except LeaseLost:
+        raise DecisionRefused(409, f"invocation {row['invocation_id']} changed while deciding; look again") from None
+    return entry.record
+
+
+async def decide_approval(journal: Journal, row: dict[str, Any], approve: bool, note: str | None, by: str) -> Record:
+    """Approve or deny a held request. An approval is bound to the card's fingerprint."""
+    _, events = await queries.events_of(journal.engine, row["invocation_id"], journal.decode_payload)
+    record = project(events)
+    if record.stage is not Stage.HELD:
+        raise DecisionRefused(409, f"invocation {row['invocation_id']} is not waiting for approval (stage {record.stage.value})")
+    card = next(e.data for e in reversed(events) if e.kind is EventKind.APPROVAL_REQUESTED)
+    if approve:
+        data = {
+            "approves": card["approves"],
+            "config_digest": card["config_digest"],
+            "credential_version": card.get("credential_version"),
+            "by": by,
+            "note": note,
+        }
+        return await _append(journal, row, EventKind.APPROVAL_GRANTED, data)
+    return await _append(journal, row, EventKind.APPROVAL_DENIED, {"by": by, "note": note})
+
+
+async def reconcile(
+    journal: Journal,
+    row: dict[str, Any],
+    outcome: Outcome,
+    certainty: str,
+    reference: str | None,
+    note: str | None,
+    by: str,
+) -> Record:
+    """Append what was found out about the effect; the original attempt stays as it was."""
+    if outcome not in RECONCILABLE:
+        raise DecisionRefused(422, f"a reconciliation says committed, rejected or partial_effect, not {outcome.value}")
+    data = {"outcome": outcome.value, "certainty": certainty, "reference": reference, "note": note, "by": by}
+    return await _append(journal, row, EventKind.RECONCILED, data)

@@ -1,0 +1,198 @@
+"""Crash recovery: close the records a dead broker left in flight, by appending what is known.
+
+Each broker process is an *owner* ``<instance>/<incarnation>``; the instance is the host and the
+proxy's listen address, so a restarted broker knows its earlier incarnations are dead (it holds
+their port now) and recovers their work at once. Work of other instances is recovered only once
+their heartbeat has been silent for ``stale_after`` while this broker's own journal connection
+was healthy all that time (a database outage silences every heartbeat at once; it proves nothing).
+
+Recovery appends; it never rewrites. What it appends follows the contract:
+
+* stopped before ``DISPATCH_STARTED``: ``FAILED(<phase>, BROKER_RESTARTED)``: not attempted;
+* stopped after it without an authentic end: ``FAILED(remote_execution, REMOTE_OUTCOME_UNKNOWN)``;
+* a complete response whose result was not stored: ``FAILED(result_delivery, RESULT_STORE_FAILED)``;
+* a committed result never handed over: ``FAILED(result_delivery, BROKER_RESTARTED)``, so the
+  record says ``retry=fetch_result``.
+
+The caller's wait ended with the broker: ``CALLER_CANCELLED(disconnected)`` first, if the
+record still shows it waiting. Held approvals are left alone: they survive restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, func, or_, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from . import metrics
+from .broker import identity_of
+from .contract import CallerDisposition, Code, EventKind, Phase, Record, Stage, project
+from .invocation_log import InvocationLog, utcnow
+from .store import queries
+from .store.journal import Journal
+from .store.schema import brokers, invocations
+
+log = logging.getLogger("affidavit.recovery")
+
+#: Stages a live broker may leave a record in; HELD (awaiting approval) is deliberately absent.
+IN_FLIGHT = (
+    Stage.ACCEPTED,
+    Stage.VALIDATED,
+    Stage.APPROVED,
+    Stage.AUTHORIZED,
+    Stage.DISPATCHED,
+    Stage.SENT,
+    Stage.RESPONDING,
+    Stage.RESPONSE_COMPLETE,
+    Stage.COMMITTED,
+)
+
+
+def closing_events(record: Record) -> list[tuple[EventKind, dict[str, Any]]]:
+    """What recovery appends to a record its owner left in flight (pure; see module docstring)."""
+    events: list[tuple[EventKind, dict[str, Any]]] = []
+    if record.caller_disposition is CallerDisposition.WAITING:
+        events.append((EventKind.CALLER_CANCELLED, {"disposition": "disconnected", "basis": "broker restart"}))
+    if record.stage is Stage.COMMITTED:
+        events.append((EventKind.FAILED, {"phase": Phase.RESULT_DELIVERY, "code": Code.BROKER_RESTARTED,
+                                          "basis": "broker restart before delivery"}))
+    elif record.stage is Stage.RESPONSE_COMPLETE:
+        events.append((EventKind.FAILED, {"phase": Phase.RESULT_DELIVERY, "code": Code.RESULT_STORE_FAILED,
+                                          "basis": "broker restart before the result was stored",
+                                          "operator_attention": True}))
+    elif record.stage in (Stage.DISPATCHED, Stage.SENT, Stage.RESPONDING):
+        events.append((EventKind.FAILED, {"phase": Phase.REMOTE_EXECUTION, "code": Code.REMOTE_OUTCOME_UNKNOWN,
+                                          "basis": "broker restart after dispatch"}))
+    else:
+        phase = record.phase
+        if any(a.stage for a in record.attempts) and record.stage is Stage.AUTHORIZED:
+            phase = Phase.CONNECTION_SETUP
+        events.append((EventKind.FAILED, {"phase": phase, "code": Code.BROKER_RESTARTED,
+                                          "basis": "broker restart before dispatch"}))
+    return events
+
+
+class Recovery:
+    """Heartbeat of this broker, and the sweep that closes abandoned records."""
+
+    def __init__(
+        self,
+        journal: Journal,
+        owner: str,
+        instance: str,
+        *,
+        heartbeat: float = 2.0,
+        stale_after: float = 30.0,
+        sweep_every: float = 10.0,
+    ):
+        self.journal = journal
+        self.engine: AsyncEngine = journal.engine
+        self.owner = owner
+        self.instance = instance
+        self.heartbeat = heartbeat
+        self.stale_after = stale_after
+        self.sweep_every = sweep_every
+        self.started_at = utcnow()
+        self._healthy_since: datetime | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.recovered = 0
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="affidavit recovery")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        next_sweep = 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            await self.beat()
+            if loop.time() >= next_sweep and self._healthy_since is not None:
+                try:
+                    await self.sweep()
+                except Exception as exc:  # the next round tries again
+                    log.warning("recovery sweep failed: %s", exc)
+                next_sweep = loop.time() + self.sweep_every
+            await asyncio.sleep(self.heartbeat)
+
+    async def beat(self) -> None:
+        now = utcnow()
+        try:
+            async with self.engine.begin() as conn:
+                # PostgreSQL stamps heartbeats with its own clock, so brokers on hosts whose clocks
+                # disagree still judge each other fairly (SQLite is one host anyway).
+                stamp = func.now() if conn.dialect.name == "postgresql" else now
+                row = {"owner": self.owner, "instance": self.instance, "started_at": self.started_at, "heartbeat_at": stamp}
+                dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+                await conn.execute(
+                    dialect_insert(brokers).values(row).on_conflict_do_update(
+                        index_elements=["owner"], set_={"heartbeat_at": stamp}
+                    )
+                )
+        except Exception as exc:
+            if self._healthy_since is not None:
+                log.warning("heartbeat failed (journal unreachable?): %s", exc)
+            self._healthy_since = None
+            return
+        if self._healthy_since is None:
+            self._healthy_since = now
+
+    async def sweep(self) -> int:
+        """Close every record abandoned by a dead owner; returns how many were closed."""
+        now = utcnow()
+        c = invocations.c
+        own_earlier = and_(c.owner.like(f"{self.instance}/%"), c.owner != self.owner)
+        conditions = [own_earlier]
+        if self._healthy_since is not None and now - self._healthy_since >= timedelta(seconds=self.stale_after):
+            horizon = timedelta(seconds=self.stale_after)
+            cutoff = func.now() - horizon if self.engine.dialect.name == "postgresql" else now - horizon
+            alive = select(brokers.c.owner).where(brokers.c.heartbeat_at > cutoff)
+            conditions.append(and_(c.owner != self.owner, c.owner.not_in(alive)))
+        query = (
+            select(invocations)
+            .where(and_(c.stage.in_([s.value for s in IN_FLIGHT]), or_(*conditions)))
+            .order_by(c.created_at)
+            .limit(500)
+        )
+        async with self.engine.connect() as conn:
+            rows = [dict(r) for r in (await conn.execute(query)).mappings().all()]
+        closed = 0
+        for row in rows:
+            if await self._close(row):
+                closed += 1
+        if closed:
+            log.warning("recovered %d invocation(s) left in flight by stopped brokers", closed)
+        self.recovered += closed
+        metrics.RECOVERED.inc(closed)
+        return closed
+
+    async def _close(self, row: dict[str, Any]) -> bool:
+        _, events = await queries.events_of(self.engine, row["invocation_id"], self.journal.decode_payload)
+        record = project(events)
+        if record.ended or record.stage not in IN_FLIGHT:
+            return False
+        entry = InvocationLog(
+            self.journal, identity_of(row), self.owner, record=record, persisted=True, generation=row["generation"]
+        )
+        entry.credential = (row["credential_id"], row["credential_version"], row["injection"])
+        for kind, data in closing_events(record):
+            entry.append(kind, **data)
+        try:
+            await entry.commit()
+        except Exception as exc:  # another broker closed it first, or the journal is down
+            log.info("could not close %s: %s", row["invocation_id"], exc)
+            return False
+        log.warning(
+            "invocation %s was left in flight by %s; recorded %s (%s)",
+            row["invocation_id"], row["owner"], entry.record.outcome.value, entry.record.code.value if entry.record.code else "-",
+        )
+        return True

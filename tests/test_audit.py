@@ -1,0 +1,572 @@
+"""The audit chain on both dialects: a real journal, real tampering, offline verification.
+
+Events and checkpoints are append-only by trigger, so each tampering first gets past the
+triggers the way an attacker with DDL rights would (PostgreSQL: ``ALTER TABLE ... DISABLE
+TRIGGER USER``; SQLite: ``DROP TRIGGER``), then changes rows directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import tomli_w
+from sqlalchemy import insert, select, update
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import create_async_engine
+from typer.testing import CliRunner
+
+from proxy import audit
+from proxy.audit import Break, Damage, checkpoint_row
+from proxy.contract import EventKind
+from proxy.crypto import KeyRing, payload_codec
+from proxy.invocation_log import Identity, InvocationLog, new_invocation_id
+from proxy.store import migrate
+from proxy.store.journal import GENESIS, EventRow, Journal, Write, chain_hash, make_engine
+from proxy.store.schema import events
+from proxy.store.vault_schema import chain_checkpoints, vault_secrets
+from tests.conftest import DIALECTS, database_url
+from tests.support.journal import query
+
+WRITERS = ("w1", "w2")
+INVOCATIONS_PER_WRITER = 5
+EVENTS_PER_INVOCATION = 8
+
+
+# -- a real journal --------------------------------------------------------------------------------
+
+
+def identity() -> Identity:
+    return Identity(
+        invocation_id=new_invocation_id(),
+        agent="builder",
+        route="payments.create",
+        method="POST",
+        target="https://api.payments.test:443/v1/charges",
+        fingerprint="sha256:" + "0" * 64,
+        idempotent=False,
+    )
+
+
+async def history(journal: Journal, owner: str) -> None:
+    """Eight events of one invocation, committed in four steps as the broker does."""
+    entry = InvocationLog(journal, identity(), owner)
+    entry.append(EventKind.ACTION_ACCEPTED, agent="builder")
+    entry.append(EventKind.PREFLIGHT_VALIDATED, route="payments.create")
+    entry.submit_quietly()
+    entry.append(EventKind.CREDENTIAL_AUTHORIZED, credential_id="payments-key", credential_version="v1")
+    entry.append(EventKind.DISPATCH_STARTED, attempt=1, connection="new")
+    await entry.commit()
+    entry.append(EventKind.REQUEST_SENT)
+    entry.append(EventKind.REMOTE_RESPONSE_COMPLETE, status=201, framing="content-length")
+    entry.append(EventKind.RESULT_COMMITTED)
+    await entry.commit()
+    entry.append(EventKind.RESULT_DELIVERED, channel="proxy")
+    await entry.commit()
+
+
+async def write_journal(url: str) -> None:
+    """Two writers (two broker processes) writing at the same time, each on its own chain."""
+    engine = make_engine(url)
+    journals = [Journal(engine, writer=name) for name in WRITERS]
+    for journal in journals:
+        await journal.start()
+    await asyncio.gather(*(history(j, j.writer) for j in journals for _ in range(INVOCATIONS_PER_WRITER)))
+    for journal in journals:
+        await journal.close()
+    await engine.dispose()
+
+
+@pytest.fixture(params=DIALECTS)
+def journal(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    url = database_url(request.param, tmp_path, request)
+    migrate.upgrade(url)
+    asyncio.run(write_journal(url))
+    return url
+
+
+def chain(url: str, writer: str = "w1") -> list[tuple[int, str, int, str]]:
+    """(writer_seq, invocation_id, seq, hash) of one writer, read independently of proxy.audit."""
+    rows = query(url, f"SELECT writer_seq, invocation_id, seq, hash FROM events WHERE writer = '{writer}' ORDER BY writer_seq")
+    return [(int(ws), inv, int(seq), h) for ws, inv, seq, h in rows]
+
+
+def middle(url: str) -> tuple[int, str, int, str]:
+    """A row in the middle of w1's chain whose invocation has events before and after it."""
+    rows = chain(url)
+    return next(r for r in rows[3:-3] if 2 <= r[2] <= EVENTS_PER_INVOCATION - 1)
+
+
+def dialect(url: str) -> str:
+    return "sqlite" if url.startswith("sqlite") else "postgresql"
+
+
+def blob(url: str, data: bytes) -> str:
+    return f"X'{data.hex()}'" if dialect(url) == "sqlite" else f"decode('{data.hex()}', 'hex')"
+
+
+def tamper(url: str, *statements: str, tables: tuple[str, ...] = ("events",)) -> None:
+    """Run ``statements`` past the append-only triggers, as an attacker with DDL rights would."""
+    if dialect(url) == "sqlite":
+        conn = sqlite3.connect(make_url(url).database, isolation_level=None)
+        try:
+            for table in tables:
+                for verb in ("update", "delete"):
+                    conn.execute(f"DROP TRIGGER IF EXISTS {table}_no_{verb}")
+            conn.execute("BEGIN")
+            for statement in statements:
+                conn.execute(statement)
+            conn.execute("COMMIT")
+        finally:
+            conn.close()
+        return
+
+    async def run() -> None:
+        engine = create_async_engine(url)
+        try:
+            async with engine.begin() as conn:
+                for table in tables:
+                    await conn.exec_driver_sql(f"ALTER TABLE {table} DISABLE TRIGGER USER")
+                for statement in statements:
+                    await conn.exec_driver_sql(statement)
+                for table in tables:
+                    await conn.exec_driver_sql(f"ALTER TABLE {table} ENABLE TRIGGER USER")
+        finally:
+            await engine.dispose()
+
+    asyncio.run(run())
+
+
+def run_async(url: str, work):
+    async def run():
+        engine = make_engine(url)
+        try:
+            return await work(engine)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(run())
+
+
+def add_checkpoint(url: str, writer: str, writer_seq: int, hash: str) -> None:
+    """What the journal writer does every few hundred events, through the normal connection."""
+
+    async def work(engine):
+        async with engine.begin() as conn:
+            c = chain_checkpoints.c
+            existing = (await conn.execute(
+                select(c.hash).where(c.writer == writer, c.writer_seq == writer_seq))).scalar()
+            if existing is not None:  # the writer recorded this very checkpoint itself (at close)
+                assert existing == hash
+                return
+            await conn.execute(insert(chain_checkpoints).values(checkpoint_row(writer, writer_seq, hash, datetime.now(UTC))))
+
+    run_async(url, work)
+
+
+def assert_first_break(result: audit.AuditResult, kind: Damage, writer: str | None, writer_seq: int | None, invocation_id: str | None, seq: int | None) -> Break:
+    assert not result.ok, "the damage went unnoticed"
+    first = result.first
+    assert first is not None
+    assert (first.kind, first.writer, first.writer_seq, first.invocation_id, first.seq) == (kind, writer, writer_seq, invocation_id, seq), first.describe()
+    return first
+
+
+# -- intact ----------------------------------------------------------------------------------------
+
+
+def test_an_intact_journal_verifies_with_every_row_counted(journal):
+    rows = chain(journal, "w1")
+    add_checkpoint(journal, "w1", rows[-1][0], rows[-1][3])
+    add_checkpoint(journal, "w2", 10, chain(journal, "w2")[9][3])
+    result = audit.verify_database(journal)
+    assert result.ok, [b.describe() for b in result.breaks]
+    total = len(WRITERS) * INVOCATIONS_PER_WRITER * EVENTS_PER_INVOCATION
+    stored_marks = int(query(journal, "SELECT count(*) FROM chain_checkpoints")[0][0])  # the writer's own, too
+    assert stored_marks >= 2
+    assert (result.events, result.writers, result.invocations, result.checkpoints) == (
+        total, len(WRITERS), len(WRITERS) * INVOCATIONS_PER_WRITER, stored_marks,
+    )
+    assert [r[0] for r in rows] == list(range(1, len(rows) + 1))
+
+
+# -- each damage kind, named at its first broken position -----------------------------------------------
+
+
+def test_a_modified_payload_is_found_at_its_position(journal):
+    ws, inv, seq, _ = middle(journal)
+    forged = blob(journal, b'{"status":500}')
+    tamper(journal, f"UPDATE events SET payload = {forged} WHERE writer = 'w1' AND writer_seq = {ws}")
+    first = assert_first_break(audit.verify_database(journal), Damage.MODIFIED, "w1", ws, inv, seq)
+    assert "content" in first.detail
+
+
+def test_a_modified_kind_is_found_at_its_position(journal):
+    ws, inv, seq, _ = middle(journal)
+    tamper(journal, f"UPDATE events SET kind = 'RECONCILED' WHERE writer = 'w1' AND writer_seq = {ws}")
+    assert_first_break(audit.verify_database(journal), Damage.MODIFIED, "w1", ws, inv, seq)
+
+
+def test_a_deleted_middle_row_is_found_and_its_invocation_named(journal):
+    ws, inv, seq, _ = middle(journal)
+    tamper(journal, f"DELETE FROM events WHERE writer = 'w1' AND writer_seq = {ws}")
+    result = audit.verify_database(journal)
+    assert_first_break(result, Damage.DELETED, "w1", ws, inv, seq)
+    # The invocation's own seq shows the gap too, independently of the chain.
+    assert Break(Damage.DELETED, None, None, inv, seq, "the invocation's events skip this seq: an event was removed") in result.breaks
+
+
+def test_a_deleted_tail_row_is_caught_by_a_checkpoint(journal):
+    rows = chain(journal)
+    last_ws, _, _, last_hash = rows[-1]
+    add_checkpoint(journal, "w1", last_ws, last_hash)
+    tamper(journal, f"DELETE FROM events WHERE writer = 'w1' AND writer_seq = {last_ws}")
+    stored, marks = asyncio.run(audit.load_database(journal))
+    assert audit.verify(stored, []).ok, "control: without the checkpoint a cut tail leaves no trace"
+    first = assert_first_break(audit.verify(stored, marks), Damage.DELETED, "w1", last_ws, None, None)
+    assert f"reached writer_seq {last_ws}" in first.detail
+
+
+def test_a_forged_row_inserted_with_a_correct_hash_is_found(journal):
+    """The careful attacker: a well-formed row linked in at position k, later rows moved up by one."""
+    ws, _, _, _ = middle(journal)
+    rows = chain(journal)
+    forged = {
+        "invocation_id": "act_forged",
+        "seq": 1,
+        "kind": "RECONCILED",
+        "at": datetime.now(UTC),
+        "writer": "w1",
+        "writer_seq": ws,
+        "prev_hash": rows[ws - 2][3],
+        "key_id": None,
+        "payload": b'{"source":"forged"}',
+    }
+    forged["hash"] = chain_hash(forged)
+    tamper(
+        journal,
+        f"UPDATE events SET writer_seq = writer_seq + 1000000 WHERE writer = 'w1' AND writer_seq >= {ws}",
+        "UPDATE events SET writer_seq = writer_seq - 999999 WHERE writer = 'w1' AND writer_seq >= 1000000",
+    )
+
+    async def work(engine):
+        async with engine.begin() as conn:
+            await conn.execute(insert(events).values(forged))
+
+    run_async(journal, work)
+    first = assert_first_break(audit.verify_database(journal), Damage.INSERTED, "w1", ws, "act_forged", 1)
+    assert f"stored at writer_seq {ws + 1}" in first.detail
+
+
+def test_a_row_inserted_at_a_taken_position_is_found(journal):
+    """A fabricated event for an existing invocation, squeezed in beside a real row."""
+    ws, inv, _, _ = middle(journal)
+    rows = chain(journal)
+    last_seq = max(int(s) for (s,) in query(journal, f"SELECT seq FROM events WHERE invocation_id = '{inv}'"))
+    at = "2026-01-01 00:00:00.000000" + ("" if dialect(journal) == "sqlite" else "+00")
+    tamper(
+        journal,
+        "DROP INDEX uq_events_writer_seq",
+        "INSERT INTO events (invocation_id, seq, kind, at, writer, writer_seq, prev_hash, hash, key_id, payload) "
+        f"VALUES ('{inv}', {last_seq + 1}, 'RECONCILED', '{at}', 'w1', {ws}, '{rows[ws - 2][3]}', '{'f' * 64}', NULL, "
+        f"{blob(journal, b'[]')})",
+    )
+    assert_first_break(audit.verify_database(journal), Damage.INSERTED, "w1", ws, inv, last_seq + 1)
+
+
+def test_two_swapped_rows_are_reported_as_reordered(journal):
+    ws, _, _, _ = middle(journal)
+    rows = chain(journal)
+    _, next_inv, next_seq, _ = rows[ws]  # the row written at ws + 1
+    tamper(
+        journal,
+        f"UPDATE events SET writer_seq = -1 WHERE writer = 'w1' AND writer_seq = {ws}",
+        f"UPDATE events SET writer_seq = {ws} WHERE writer = 'w1' AND writer_seq = {ws + 1}",
+        f"UPDATE events SET writer_seq = {ws + 1} WHERE writer = 'w1' AND writer_seq = -1",
+    )
+    first = assert_first_break(audit.verify_database(journal), Damage.REORDERED, "w1", ws, next_inv, next_seq)
+    assert f"written at writer_seq {ws + 1}" in first.detail
+
+
+def test_two_events_of_one_invocation_swapped_are_reported_as_reordered(journal):
+    ws, inv, seq, _ = middle(journal)
+    later = next(r for r in chain(journal) if r[1] == inv and r[2] == seq + 1)
+    assert later[0] > ws
+    tamper(
+        journal,
+        f"UPDATE events SET seq = 1000 WHERE invocation_id = '{inv}' AND seq = {seq}",
+        f"UPDATE events SET seq = {seq} WHERE invocation_id = '{inv}' AND seq = {seq + 1}",
+        f"UPDATE events SET seq = {seq + 1} WHERE invocation_id = '{inv}' AND seq = 1000",
+    )
+    # The row at ws now claims seq + 1; it was written as seq.
+    first = assert_first_break(audit.verify_database(journal), Damage.REORDERED, "w1", ws, inv, seq + 1)
+    assert f"written as seq {seq}" in first.detail
+
+
+def test_a_chain_rewritten_with_recomputed_hashes_is_caught_only_by_an_earlier_export(journal, tmp_path):
+    """No key protects the chain: a full re-hash passes the live check; an export kept elsewhere does not."""
+    rows = chain(journal)
+    add_checkpoint(journal, "w1", rows[-1][0], rows[-1][3])
+    earlier = tmp_path / "earlier.jsonl"
+    audit.export_events(journal, earlier)
+    ws, inv, seq, _ = middle(journal)
+
+    async def rewritten(engine):
+        async with engine.connect() as conn:
+            stored = (await conn.execute(select(events).where(events.c.writer == "w1").order_by(events.c.writer_seq))).mappings().all()
+        out, prev = [], GENESIS
+        for row in map(dict, stored):
+            if row["writer_seq"] == ws:
+                row["payload"] = b'{"status":500}'
+            if row["writer_seq"] >= ws:
+                row["prev_hash"] = prev
+                row["hash"] = chain_hash(row)
+            prev = row["hash"]
+            out.append(row)
+        return [r for r in out if r["writer_seq"] >= ws]
+
+    forged = run_async(journal, rewritten)
+    tamper(
+        journal,
+        *(f"UPDATE events SET payload = {blob(journal, r['payload'])}, prev_hash = '{r['prev_hash']}', hash = '{r['hash']}' "
+          f"WHERE writer = 'w1' AND writer_seq = {r['writer_seq']}" for r in forged),
+        "DELETE FROM chain_checkpoints",
+        tables=("events", "chain_checkpoints"),
+    )
+    assert audit.verify_database(journal).ok, "control: a consistent re-hash is invisible without outside evidence"
+    extra = audit.read_dump(earlier)[1]
+    # The first checkpoint at or after the re-hashed row is where the rewrite shows.
+    at = min(m["writer_seq"] for m in extra if m["writer"] == "w1" and m["writer_seq"] >= ws)
+    _, at_inv, at_seq, _ = rows[at - 1]
+    first = assert_first_break(audit.verify_database(journal, extra), Damage.REWRITTEN, "w1", at, at_inv, at_seq)
+    assert "re-hashed" in first.detail
+
+
+# -- dumps, keys and the command line ----------------------------------------------------------------------
+
+
+def test_verify_works_on_an_export_and_finds_the_same_break(journal, tmp_path):
+    clean = tmp_path / "clean.jsonl"
+    assert audit.export_events(journal, clean)[0] == len(WRITERS) * INVOCATIONS_PER_WRITER * EVENTS_PER_INVOCATION
+    assert oct(clean.stat().st_mode & 0o777) == "0o600"
+    assert audit.verify_dump(clean).ok
+    ws, inv, seq, _ = middle(journal)
+    tamper(journal, f"UPDATE events SET kind = 'FAILED' WHERE writer = 'w1' AND writer_seq = {ws}")
+    broken = tmp_path / "broken.jsonl"
+    audit.export_events(journal, broken)
+    assert_first_break(audit.verify_dump(broken), Damage.MODIFIED, "w1", ws, inv, seq)
+    # Editing the dump itself is caught the same way; its line order is not evidence.
+    lines = clean.read_text().splitlines()
+    edited = [lines[0], *reversed(lines[1:])]
+    target = next(i for i, line in enumerate(edited) if json.loads(line).get("writer") == "w1" and json.loads(line)["writer_seq"] == ws)
+    edited[target] = json.dumps({**json.loads(edited[target]), "kind": "RECONCILED"})
+    (tmp_path / "edited.jsonl").write_text("\n".join(edited) + "\n")
+    assert_first_break(audit.verify_dump(tmp_path / "edited.jsonl"), Damage.MODIFIED, "w1", ws, inv, seq)
+
+
+async def write_encrypted(url: str, ring: KeyRing) -> list[str]:
+    """Encrypted payloads through the real writer: the chain covers the ciphertext."""
+    engine = make_engine(url)
+    journal = Journal(engine, writer="enc")
+    await journal.start()
+    encode, ids = payload_codec(ring), []
+    for _ in range(3):
+        inv = new_invocation_id()
+        ids.append(inv)
+        for seq, kind in enumerate(("ACTION_ACCEPTED", "PREFLIGHT_VALIDATED", "FAILED"), 1):
+            payload, key_id = encode(inv, seq, {"canary": "audit-plaintext-canary", "seq": seq})
+            await journal.commit(Write(events=[EventRow(inv, seq, kind, datetime.now(UTC), payload, key_id)]))
+    await journal.close()
+    await engine.dispose()
+    return ids
+
+
+def config_without_keys(workdir: Path, url: str) -> Path:
+    path = workdir / "affidavit.toml"
+    path.write_text(tomli_w.dumps({"database": {"url": url}}))
+    return path
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``affidavit audit ...`` as a real process, with no key anywhere in its environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AFFIDAVIT_")}
+    return subprocess.run(
+        [sys.executable, "-c", "from proxy.cli_security import audit_app; audit_app(prog_name='affidavit')", *args],
+        capture_output=True, text=True, cwd=cwd, env=env, timeout=60,
+    )
+
+
+def test_the_cli_verifies_ciphertext_without_any_key_and_names_the_break(journal, tmp_path):
+    ring = KeyRing([("k1", os.urandom(32))])
+    asyncio.run(write_encrypted(journal, ring))
+    assert not any("audit-plaintext-canary" in str(p) for (p,) in query(journal, "SELECT key_id FROM events WHERE writer = 'enc'"))
+    config = config_without_keys(tmp_path, journal)
+
+    intact = run_cli("verify", "-c", str(config), cwd=tmp_path)
+    assert intact.returncode == 0, intact.stderr
+    assert "intact" in intact.stdout and "without any key" in intact.stdout
+
+    dump = tmp_path / "export.jsonl"
+    exported = run_cli("export", "--out", str(dump), "-c", str(config), cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    assert "audit-plaintext-canary" not in dump.read_text()
+    from_dump = run_cli("verify", "--dump", str(dump), cwd=tmp_path)
+    assert from_dump.returncode == 0, from_dump.stderr
+
+    enc = chain(journal, "enc")
+    ws, inv, seq, _ = enc[4]
+    tamper(journal, f"UPDATE events SET payload = {blob(journal, b'x' * 60)} WHERE writer = 'enc' AND writer_seq = {ws}")
+    broken = run_cli("verify", "--database", journal, cwd=tmp_path)
+    assert broken.returncode == 1
+    assert f"writer enc writer_seq {ws}, invocation {inv} seq {seq}: modified" in broken.stderr
+
+    from proxy.cli_security import audit_app
+
+    result = CliRunner().invoke(audit_app, ["verify", "-c", str(config)])
+    assert result.exit_code == 1 and f"writer enc writer_seq {ws}" in result.output
+    both = CliRunner().invoke(audit_app, ["verify", "--database", journal, "--dump", str(dump)])
+    assert both.exit_code == 2
+
+
+# -- append-only for the new tables -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("table", ["vault_secrets", "chain_checkpoints"])
+@pytest.mark.parametrize("verb", ["UPDATE", "DELETE"])
+def test_vault_and_checkpoints_refuse_update_and_delete(journal, table, verb):
+    async def work(engine):
+        async with engine.begin() as conn:
+            if table == "vault_secrets":
+                await conn.execute(insert(vault_secrets).values(name="payments-key", version=1, key_id="k1", ciphertext=b"\x00" * 40, created_at=datetime.now(UTC)))
+            else:
+                await conn.execute(insert(chain_checkpoints).values(checkpoint_row("tester", 3, "a" * 64, datetime.now(UTC))))
+        target = vault_secrets if table == "vault_secrets" else chain_checkpoints
+        mine = target.c.name == "payments-key" if table == "vault_secrets" else target.c.writer == "tester"
+        statement = (
+            update(target).values(key_id="k2") if table == "vault_secrets" else update(target).values(hash="b" * 64)
+        ).where(mine) if verb == "UPDATE" else target.delete().where(mine)
+        refused = False
+        try:
+            async with engine.begin() as conn:
+                await conn.execute(statement)
+        except Exception as exc:  # the trigger's error, whatever the driver calls it
+            refused = "append-only" in str(exc)
+        async with engine.connect() as conn:
+            rows = (await conn.execute(select(target).where(mine))).all()
+        return refused, rows
+
+    refused, rows = run_async(journal, work)
+    assert refused
+    assert len(rows) == 1
+    assert ("k1" in rows[0]) if table == "vault_secrets" else ("a" * 64 in rows[0])
+
+
+# -- the rules on synthetic chains (pure: no database) ----------------------------------------------------
+
+
+def synthetic(writer: str = "w1", length: int = 12, invocations: int = 3) -> list[dict]:
+    """A well-formed chain: ``invocations`` invocations interleaved round-robin."""
+    rows, prev, seqs = [], GENESIS, [0] * invocations
+    for ws in range(1, length + 1):
+        i = (ws - 1) % invocations
+        seqs[i] += 1
+        row = {
+            "invocation_id": f"act_{i}", "seq": seqs[i], "kind": "REQUEST_SENT",
+            "at": datetime(2026, 11, 30, 12, 0, ws, tzinfo=UTC), "writer": writer, "writer_seq": ws,
+            "prev_hash": prev, "key_id": "k1", "payload": os.urandom(24),
+        }
+        row["hash"] = prev = chain_hash(row)
+        rows.append(row)
+    return rows
+
+
+def rehash_from(rows: list[dict], start: int) -> None:
+    """What an attacker without a key can do: recompute every hash from position ``start`` on."""
+    prev = rows[start - 2]["hash"] if start > 1 else GENESIS
+    for row in rows[start - 1:]:
+        row["prev_hash"] = prev
+        row["hash"] = prev = chain_hash(row)
+
+
+def test_pure_an_intact_synthetic_chain_verifies():
+    assert audit.verify(synthetic()).ok
+
+
+def test_pure_deleted_rows_renumbered_to_close_the_gap_are_still_deleted():
+    rows = synthetic()
+    gone = rows.pop(4)  # writer_seq 5
+    for row in rows[4:]:
+        row["writer_seq"] -= 1
+    first = assert_first_break(audit.verify(rows), Damage.DELETED, "w1", 5, gone["invocation_id"], gone["seq"])
+    assert "renumbered" in first.detail
+
+
+def test_pure_a_row_replaced_with_a_recomputed_hash_is_modified_at_its_own_position():
+    rows = synthetic()
+    rows[5]["payload"] = b"forged"
+    rows[5]["hash"] = chain_hash(rows[5])  # intact by itself; the next row still points at the original
+    assert_first_break(audit.verify(rows), Damage.MODIFIED, "w1", 6, rows[5]["invocation_id"], rows[5]["seq"])
+
+
+def test_pure_a_writer_deleted_entirely_is_found_through_its_checkpoint():
+    rows = synthetic("w1") + synthetic("w2")
+    mark = {"writer": "w2", "writer_seq": 12, "hash": rows[-1]["hash"]}
+    survivors = [r for r in rows if r["writer"] == "w1"]
+    assert audit.verify(survivors).ok
+    assert_first_break(audit.verify(survivors, [mark]), Damage.DELETED, "w2", 1, None, None)
+
+
+def test_pure_a_checkpoint_hash_that_disagrees_is_a_rewrite_even_when_the_chain_links():
+    rows = synthetic()
+    mark = {"writer": "w1", "writer_seq": 8, "hash": rows[7]["hash"]}
+    rows[2]["payload"] = b"forged"
+    rehash_from(rows, 3)
+    assert audit.verify(rows).ok
+    assert_first_break(audit.verify(rows, [mark]), Damage.REWRITTEN, "w1", 8, rows[7]["invocation_id"], rows[7]["seq"])
+
+
+@pytest.mark.parametrize("position", [1, 2, 6, 11])
+def test_pure_each_single_row_damage_is_named_at_its_position(position):
+    """Every kind at several positions, including the first row and the next to last."""
+    base = synthetic()
+    cases: dict[Damage, list[dict]] = {}
+
+    modified = [dict(r) for r in base]
+    modified[position - 1]["kind"] = "RECONCILED"
+    cases[Damage.MODIFIED] = modified
+
+    deleted = [dict(r) for r in base if r["writer_seq"] != position]
+    cases[Damage.DELETED] = deleted
+
+    swapped = [dict(r) for r in base]
+    swapped[position - 1]["writer_seq"], swapped[position]["writer_seq"] = position + 1, position
+    cases[Damage.REORDERED] = swapped
+
+    extra = dict(base[position - 1], payload=b"forged", invocation_id="act_forged", seq=1)
+    cases[Damage.INSERTED] = [dict(r) for r in base] + [extra]
+
+    for kind, rows in cases.items():
+        result = audit.verify(rows)
+        assert not result.ok and result.first is not None, kind
+        assert (result.first.kind, result.first.writer, result.first.writer_seq) == (kind, "w1", position), (kind, result.first.describe())
+
+
+def test_a_file_that_is_not_an_export_is_an_input_error_not_a_verdict(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"type": "event", "writer": "w1"}\n')
+    with pytest.raises(audit.AuditInputError, match="bad.jsonl:1"):
+        audit.verify_dump(bad)
+    from proxy.cli_security import audit_app
+
+    result = CliRunner().invoke(audit_app, ["verify", "--dump", str(bad)])
+    assert result.exit_code == 2 and "not a line of an audit export" in result.output
+    missing = CliRunner().invoke(audit_app, ["verify", "--database", f"sqlite+aiosqlite:///{tmp_path / 'nothing.db'}"])
+    assert missing.exit_code == 2 and "no such database file" in missing.output
+    assert not (tmp_path / "nothing.db").exists(), "verifying must not create a database"

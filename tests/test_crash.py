@@ -1,0 +1,342 @@
+"""Crash safety: kill the broker between durable steps, or take its journal away, and check that
+it loses nothing and claims nothing false. Real broker processes, ``kill -9``, real databases."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import secrets
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.broker import BrokerProcess
+from tests.support.envelopes import check_envelope
+from tests.support.hostile import HostileUpstream
+from tests.support.journal import query
+from tests.support.pg import ThrowawayCluster, fresh_database
+from tests.support.relay import TcpRelay
+
+CRASH = "https://crash.example.test"
+SAFE = "https://crash-safe.example.test"
+
+
+def crash_routes(up: HostileUpstream) -> list[dict[str, Any]]:
+    base = {"agents": ["builder"], "connect_to": f"127.0.0.1:{up.tls_port('good')}", "methods": ["POST", "GET"],
+            "response_timeout": "5s", "result_horizon": "6s"}
+    return [
+        {"name": "crash", "host": "crash.example.test", **base},
+        {"name": "crash-safe", "host": "crash-safe.example.test", **base,
+         "idempotency": {"header": "Idempotency-Key", "scope": "crash", "retention": "1h"}},
+    ]
+
+
+def post(broker: BrokerProcess, url: str, key: str, timeout: float = 15) -> httpx.Response:
+    with broker.client(timeout=timeout) as client:
+        return client.post(url, content=b'{"amount":1}', headers={"Idempotency-Key": key, "Content-Type": "application/json"})
+
+
+def restart_without_failpoints(broker: BrokerProcess) -> None:
+    broker.kill()
+    broker.env.pop("AFFIDAVIT_FAILPOINTS", None)
+    broker.start()
+
+
+def record_by_key(broker: BrokerProcess, key: str) -> str:
+    rows = query(broker.database_url, f"SELECT invocation_id FROM invocations WHERE idempotency_key = '{key}'")
+    assert len(rows) == 1, rows
+    return rows[0][0]
+
+
+#: failpoint -> (outcome after recovery, retry, what a caller repeating the same key gets,
+#:               effects applied by the upstream after the crash, and after the repeat)
+CASES = {
+    "before_credential": ("not_attempted", "backoff", 201, 0, 1),
+    "during_tls": ("not_attempted", "backoff", 201, 0, 1),
+    "after_dispatch_commit": ("unknown", "reconcile", 409, 0, 0),
+    # "Handed to the transport" is not "received": a kill right after the last write may beat the
+    # kernel to the wire, so the upstream applied the effect or not; either way the record says
+    # unknown, which is exactly why it must.
+    "after_request_sent": ("unknown", "reconcile", 409, None, None),
+    "mid_response_headers": ("unknown", "reconcile", 409, 1, 1),
+    "mid_response_body": ("unknown", "reconcile", 409, 1, 1),
+    "after_response_complete": ("unknown", "reconcile", 409, 1, 1),
+    "after_result_commit": ("committed", "fetch_result", 201, 1, 1),
+    "during_delivery": ("committed", "fetch_result", 201, 1, 1),
+}
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+@pytest.mark.parametrize("failpoint", list(CASES))
+def test_kill_at_every_boundary_then_recover(make_broker, upstream, dialect, failpoint):
+    outcome, retry, repeat_status, effects, effects_after_repeat = CASES[failpoint]
+    broker = make_broker(dialect, routes=crash_routes(upstream), env={"AFFIDAVIT_FAILPOINTS": f"{failpoint}=kill@1"})
+    key = "crash_" + secrets.token_hex(6)
+    url = CRASH + "/h/idem_honour?code=201"
+    with pytest.raises(httpx.HTTPError):
+        post(broker, url, key)
+    assert broker.proc is not None and broker.proc.wait(10) == -9, "the failpoint killed the broker"
+    restart_without_failpoints(broker)
+    invocation_id = record_by_key(broker, key)
+    record = broker.wait_for(invocation_id, lambda r: r["retry"] is not None and r["stage"] not in ("committed", "dispatched"))
+    assert record["outcome"] == outcome, record
+    assert record["retry"] == retry
+    assert record["caller_disposition"] == "disconnected"
+    kinds = [e["kind"] for e in record["events"]]
+    if "DISPATCH_STARTED" in kinds:
+        assert outcome != "not_attempted", "never not_attempted after DISPATCH_STARTED"
+    last = record["events"][-1]
+    assert last["kind"] == "FAILED" and "broker restart" in last["data"]["basis"]
+    assert upstream.effects == effects if effects is not None else upstream.effects in (0, 1)
+    effects_after_crash = upstream.effects
+    # A caller that repeats the same logical operation gets the truth, never a second effect.
+    repeat = post(broker, url, key)
+    assert repeat.status_code == repeat_status, repeat.text
+    if repeat_status == 409:
+        assert check_envelope(repeat.content)["error"]["code"] == "RECONCILE_REQUIRED"
+    elif outcome == "committed":
+        assert repeat.headers["affidavit-replayed"] == "true"
+    expected = effects_after_repeat if effects_after_repeat is not None else effects_after_crash
+    assert upstream.effects == expected
+    assert len([r for r in upstream.received if r.method]) <= 2
+
+
+def test_an_unknown_outcome_after_a_crash_is_resent_with_the_same_key_under_a_contract(make_broker, upstream):
+    broker = make_broker("postgresql", routes=crash_routes(upstream), env={"AFFIDAVIT_FAILPOINTS": "mid_response_headers=kill@1"})
+    key = "crash_" + secrets.token_hex(6)
+    url = SAFE + "/h/idem_honour?code=201"
+    with pytest.raises(httpx.HTTPError):
+        post(broker, url, key)
+    restart_without_failpoints(broker)
+    invocation_id = record_by_key(broker, key)
+    record = broker.wait_for(invocation_id, lambda r: r["stage"] == "ended_unknown")
+    assert record["retry"] == "same_idempotency_key"
+    repeat = post(broker, url, key)
+    assert repeat.status_code == 201 and repeat.headers["affidavit-outcome"] == "committed"
+    assert upstream.effects == 1 and upstream.effects_by_key[key] == 1
+    assert [r.header("Idempotency-Key") for r in upstream.received if r.method] == [key, key]
+
+
+def test_an_unkeyed_request_killed_before_dispatch_leaves_no_false_record(make_broker, upstream):
+    broker = make_broker("sqlite", routes=crash_routes(upstream), env={"AFFIDAVIT_FAILPOINTS": "during_tls=kill@1"})
+    with broker.client() as client:
+        with pytest.raises(httpx.HTTPError):
+            client.post(CRASH + "/h/ok", content=b"{}")
+    restart_without_failpoints(broker)
+    time.sleep(0.5)
+    rows = query(broker.database_url, "SELECT outcome, code FROM invocations")
+    # Pre-dispatch facts of an unkeyed request ride with its dispatch commit: a crash before it
+    # leaves either no record or a not_attempted one, and the upstream saw nothing.
+    assert all(row == ("not_attempted", "BROKER_RESTARTED") for row in rows), rows
+    assert upstream.effects == 0
+
+
+# -- the journal itself fails ------------------------------------------------------------------
+
+
+@pytest.fixture
+def relayed_pg(pg_admin_url: str):
+    """A fresh PostgreSQL database reached through a TCP relay the test can cut."""
+    url, drop = fresh_database(pg_admin_url)
+    with TcpRelay("127.0.0.1", 5432) as relay:
+        yield url.replace("127.0.0.1:5432", f"127.0.0.1:{relay.listen_port}"), relay
+    drop()
+
+
+def _start_on(make_broker, upstream, url: str, **kwargs: Any) -> BrokerProcess:
+    return make_broker(routes=crash_routes(upstream), db_url=url, **kwargs)
+
+
+def test_an_unreachable_journal_fails_closed_and_the_broker_serves_again_when_it_returns(make_broker, upstream, relayed_pg):
+    url, relay = relayed_pg
+    broker = _start_on(make_broker, upstream, url)
+    with broker.client() as client:
+        assert client.post(CRASH + "/h/ok", content=b"{}").status_code == 200
+        relay.cut()
+        refused = client.post(CRASH + "/h/ok", content=b"{}")
+        body = check_envelope(refused.content)
+        assert refused.status_code == 503
+        assert (body["error"]["code"], body["error"]["phase"], body["error"]["outcome"], body["error"]["retry"]) == (
+            "JOURNAL_UNAVAILABLE", "validation", "not_attempted", "backoff")
+        assert httpx.get(broker.api_url + "/readyz", timeout=10).status_code == 503
+        assert httpx.get(broker.api_url + "/healthz", timeout=10).status_code == 200
+        relay.restore()
+        deadline = time.monotonic() + 15
+        while True:
+            again = client.post(CRASH + "/h/ok", content=b"{}")
+            if again.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+    assert again.status_code == 200, again.text
+    assert httpx.get(broker.api_url + "/readyz", timeout=10).status_code == 200
+    assert upstream.effects == 2, "nothing was forwarded while the journal was down"
+
+
+def test_a_read_only_database_fails_closed(make_broker, upstream, pg_admin_url):
+    url, drop = fresh_database(pg_admin_url)
+    try:
+        broker = _start_on(make_broker, upstream, url)
+        database = url.rsplit("/", 1)[1]
+        terminate = f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{database}' AND pid <> pg_backend_pid()"
+        query(pg_admin_url, f"ALTER DATABASE {database} SET default_transaction_read_only = on")
+        query(pg_admin_url, terminate)
+        with broker.client() as client:
+            refused = client.post(CRASH + "/h/ok", content=b"{}")
+            assert refused.status_code == 503
+            assert check_envelope(refused.content)["error"]["code"] == "JOURNAL_UNAVAILABLE"
+            query(pg_admin_url, f"ALTER DATABASE {database} SET default_transaction_read_only = off")
+            query(pg_admin_url, terminate)
+            deadline = time.monotonic() + 15
+            while (again := client.post(CRASH + "/h/ok", content=b"{}")).status_code != 200 and time.monotonic() < deadline:
+                time.sleep(0.3)
+        assert again.status_code == 200
+        assert upstream.effects == 1
+        broker.stop()
+    finally:
+        drop()
+
+
+def test_a_result_that_cannot_be_stored_is_delivered_flagged_and_recorded_later(make_broker, upstream, relayed_pg):
+    url, relay = relayed_pg
+    broker = _start_on(make_broker, upstream, url, env={"AFFIDAVIT_FAILPOINTS": "after_dispatch_commit=pause:1@1"})
+    result: dict[str, httpx.Response] = {}
+
+    def call() -> None:
+        with broker.client() as client:
+            result["r"] = client.post(CRASH + "/h/status?code=201", content=b"{}")
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    time.sleep(0.5)  # DISPATCH_STARTED is durable; the broker is paused before the first byte
+    relay.cut()
+    thread.join(15)
+    response = result["r"]
+    assert response.status_code == 201, "the complete, authentic result reaches the caller"
+    assert response.headers["affidavit-code"] == "RESULT_STORE_FAILED"
+    assert response.headers["affidavit-outcome"] == "committed"
+    invocation_id = response.headers["affidavit-invocation-id"]
+    assert upstream.effects == 1
+    relay.restore()
+    record = broker.wait_for(invocation_id, lambda r: r["stage"] == "delivered", timeout=20)
+    assert record["outcome"] == "committed"
+    assert record["events"][-1]["data"].get("recorded_after_delivery") is True
+    assert len([r for r in upstream.received if r.method]) == 1, "never a re-send"
+    assert "operator attention" in broker.logs()
+
+
+def _load(broker: BrokerProcess, n: int, threads: int, tag: str) -> list[tuple[int, httpx.Response | None]]:
+    """n requests from `threads` clients, each with a unique marker the upstream logs."""
+    answers: list[tuple[int, httpx.Response | None]] = []
+    lock = threading.Lock()
+    counter = iter(range(n))
+
+    def worker() -> None:
+        with broker.client(timeout=10) as client:
+            for i in iter(lambda: next(counter, None), None):
+                try:
+                    r = client.post(f"{CRASH}/h/status?code=200&n={tag}{i}", content=b"{}")
+                except httpx.HTTPError:
+                    r = None
+                with lock:
+                    answers.append((i, r))
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        for _ in range(threads):
+            pool.submit(worker)
+    return answers
+
+
+def _no_request_without_its_record(broker: BrokerProcess, upstream: HostileUpstream, answers: list) -> None:
+    received = {r.query["n"] for r in upstream.received if r.method and "n" in r.query}
+    dispatched = {
+        row[0].rsplit("n=", 1)[1]
+        for row in query(broker.database_url,
+                         "SELECT i.target FROM invocations i JOIN events e ON e.invocation_id = i.invocation_id "
+                         "WHERE e.kind = 'DISPATCH_STARTED'")
+    }
+    assert received, "the load reached the upstream"
+    assert received <= dispatched, f"requests the upstream received without a record: {sorted(received - dispatched)[:5]}"
+    recorded = {row[0] for row in query(broker.database_url, "SELECT invocation_id FROM invocations")}
+    told = {r.headers["affidavit-invocation-id"] for _, r in answers if r is not None and "affidavit-invocation-id" in r.headers}
+    assert told <= recorded, "an invocation id given to a caller has no record"
+
+
+def test_cutting_the_database_during_load_loses_nothing(make_broker, upstream, relayed_pg):
+    url, relay = relayed_pg
+    broker = _start_on(make_broker, upstream, url)
+    cutter = threading.Timer(1.0, relay.cut)
+    restorer = threading.Timer(2.5, relay.restore)
+    cutter.start()
+    restorer.start()
+    answers = _load(broker, 600, 8, "cut")
+    cutter.join()
+    restorer.join()
+    statuses = [r.status_code for _, r in answers if r is not None]
+    assert 503 in statuses and 200 in statuses, "the load saw the outage and the recovery"
+    _no_request_without_its_record(broker, upstream, answers)
+
+
+def test_restarting_postgresql_during_load_loses_nothing(make_broker, upstream, tmp_path):
+    with ThrowawayCluster() as cluster:
+        url = cluster.create_database("affidavit")
+        broker = _start_on(make_broker, upstream, url)
+        restarter = threading.Timer(1.0, lambda: (cluster.stop("immediate"), time.sleep(1.0), cluster.start()))
+        restarter.start()
+        answers = _load(broker, 600, 8, "restart")
+        restarter.join()
+        statuses = [r.status_code for _, r in answers if r is not None]
+        assert 200 in statuses
+        _no_request_without_its_record(broker, upstream, answers)
+        broker.stop()
+
+
+def _rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+
+
+BEHAVIOURS = ["/h/status?code=200", "/h/status?code=500", "/h/short_body", "/h/close_after_effect",
+              "/h/status?code=429&retry_after=1", "/h/chunked_truncated", "/h/ok"]
+
+
+def test_soak_mixed_hostile_traffic(make_broker, upstream):
+    total = int(os.environ.get("AFFIDAVIT_SOAK_REQUESTS", "3000"))
+    broker = make_broker("postgresql", routes=crash_routes(upstream))
+    assert broker.proc is not None
+    answers: list[int] = []
+    lock = threading.Lock()
+    counter = iter(range(total))
+    rss: dict[str, int] = {}
+
+    def worker() -> None:
+        with broker.client(timeout=10) as client:
+            for i in iter(lambda: next(counter, None), None):
+                if i == total // 5:
+                    rss["warm"] = _rss_kb(broker.proc.pid)
+                try:
+                    code = client.post(CRASH + BEHAVIOURS[i % len(BEHAVIOURS)], content=b"{}").status_code
+                except httpx.HTTPError:
+                    code = 0
+                with lock:
+                    answers.append(code)
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        for _ in range(32):
+            pool.submit(worker)
+    time.sleep(1.0)
+    rss["end"] = _rss_kb(broker.proc.pid)
+    print(f"soak: {total} requests, RSS after warm-up {rss['warm']} kB, at the end {rss['end']} kB")
+    assert len(answers) == total and 0 not in answers
+    in_flight = query(broker.database_url, "SELECT count(*) FROM invocations WHERE stage NOT IN "
+                      "('delivered', 'delivery_failed', 'store_failed', 'ended_not_attempted', 'ended_unknown')")
+    assert in_flight == [("0",)], "every invocation ended"
+    dispatched = int(query(broker.database_url, "SELECT count(*) FROM events WHERE kind = 'DISPATCH_STARTED'")[0][0])
+    assert dispatched == len([r for r in upstream.received if r.method]) == total
+    assert upstream.effects == total
+    by_outcome = dict(query(broker.database_url, "SELECT outcome, count(*) FROM invocations GROUP BY outcome"))
+    per_behaviour = total // len(BEHAVIOURS)
+    assert int(by_outcome["unknown"]) >= 3 * per_behaviour  # short body, close after effect, truncated chunks
+    assert rss["end"] < rss["warm"] * 1.3 + 20_000, rss

@@ -1,0 +1,94 @@
+"""Encryption at rest, end to end: a real broker with [crypto] keys, a vault credential, a
+response body that must not rest in plaintext, and an audit chain that verifies without keys."""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import pytest
+
+from proxy.crypto import generate_key
+from tests.support.broker import BrokerProcess
+from tests.support.hostile import HostileUpstream
+from tests.support.journal import dump_journal, query
+
+VAULT_CANARY = "vk_canary_" + secrets.token_hex(12)
+
+
+def vault_routes(up: HostileUpstream) -> list[dict]:
+    return [
+        {"name": "vaulted", "host": "vaulted.example.test", "methods": ["GET", "POST"], "agents": ["builder"],
+         "connect_to": f"127.0.0.1:{up.tls_port('good')}", "credential": "vaulted-key",
+         "inject": {"header": "Authorization", "value": "Bearer {secret}"}},
+    ]
+
+
+def start_with_keys(make_broker, upstream: HostileUpstream, dialect: str, tmp_path: Path, keys: bool) -> BrokerProcess:
+    key_file = tmp_path / f"k1-{dialect}.key"
+    key_file.write_text(generate_key())
+    crypto = {"keys": [f"k1=file:{key_file}"]} if keys else {"keys": []}
+    broker = make_broker(dialect, routes=vault_routes(upstream), start=False, crypto=crypto)
+    broker.config["secrets"].append({"name": "vaulted-key", "from": "vault:vaulted-key"})
+    broker.config_path.write_text(__import__("tomli_w").dumps(broker.config))
+    if dialect == "postgresql":
+        assert broker.command("db", "upgrade").returncode == 0
+    else:
+        from proxy.store import migrate
+
+        migrate.upgrade(broker.database_url)
+    if keys:
+        stored = broker.command("secrets", "set", "vaulted-key", input=VAULT_CANARY.encode())
+        assert stored.returncode == 0, stored.stderr
+        assert VAULT_CANARY.encode() not in stored.stdout + stored.stderr
+    return broker.start()
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_results_and_payloads_rest_encrypted_and_the_vault_secret_never_appears(make_broker, upstream, tmp_path, dialect):
+    broker = start_with_keys(make_broker, upstream, dialect, tmp_path, keys=True)
+    body_canary = "body_canary_" + secrets.token_hex(10)
+    with broker.client() as client:
+        response = client.get("https://vaulted.example.test/h/ok", headers={"X-Canary": body_canary})
+    assert response.status_code == 200
+    assert upstream.received[0].header("Authorization") == f"Bearer {VAULT_CANARY}"
+    assert body_canary in response.text, "the agent gets the real body"
+    invocation_id = response.headers["affidavit-invocation-id"]
+    record = broker.wait_for(invocation_id, lambda r: r["stage"] == "delivered")
+    assert record["credential"]["id"] == "vaulted-key" and record["credential"]["version"] == "v1"
+    with broker.api() as api:
+        replay = api.get(f"/v1/invocations/{invocation_id}/result")
+    assert replay.status_code == 200 and body_canary in replay.text, "the side API decrypts"
+    key_ids = query(broker.database_url, "SELECT DISTINCT key_id FROM events")
+    assert key_ids == [("k1",)], "every payload is encrypted with the configured key"
+    assert query(broker.database_url, "SELECT key_id FROM results") == [("k1",)]
+    broker.stop()
+    dump = dump_journal(broker.database_url)
+    for canary in (body_canary, VAULT_CANARY):
+        assert canary not in dump and canary.encode().hex() not in dump
+    assert "VAULT" not in broker.logs() and VAULT_CANARY not in broker.logs() and body_canary not in broker.logs()
+    # The chain covers the ciphertext: it verifies without any key, and the writer left checkpoints.
+    assert int(query(broker.database_url, "SELECT count(*) FROM chain_checkpoints")[0][0]) >= 1
+    verify = broker.command("audit", "verify", "--database", broker.database_url)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_without_keys_the_same_body_is_visible_in_the_database(make_broker, upstream, tmp_path):
+    """The control: it shows the test above can see a plaintext body when one is there."""
+    broker = make_broker("sqlite", routes=[{**vault_routes(upstream)[0], "credential": "payments-key"}])
+    body_canary = "body_canary_" + secrets.token_hex(10)
+    with broker.client() as client:
+        assert client.get("https://vaulted.example.test/h/ok", headers={"X-Canary": body_canary}).status_code == 200
+    broker.stop()
+    assert body_canary in dump_journal(broker.database_url)
+
+
+def test_a_vault_credential_without_keys_is_vault_locked(make_broker, upstream, tmp_path):
+    broker = start_with_keys(make_broker, upstream, "sqlite", tmp_path, keys=False)
+    with broker.client() as client:
+        refused = client.get("https://vaulted.example.test/h/ok")
+    assert refused.status_code == 503
+    body = refused.json()
+    assert (body["error"]["code"], body["error"]["phase"], body["error"]["outcome"]) == (
+        "VAULT_LOCKED", "credential_injection", "not_attempted")
+    assert upstream.received == []

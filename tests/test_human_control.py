@@ -1,0 +1,277 @@
+"""People settle what the broker could not, and approve what it must not do alone: reconciliation
+(by hand and by lookup) and approvals bound to the fingerprint, through the real CLI and side API."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import DIALECTS, database_url, new_broker
+from tests.support.broker import BrokerProcess
+from tests.support.certs import TestPKI
+from tests.support.envelopes import check_envelope
+from tests.support.hostile import HostileUpstream
+
+PAY = "https://ctl-pay.example.test"
+HELD = "https://ctl-held.example.test"
+
+
+def control_routes(up: HostileUpstream, approval_timeout: str = "20s") -> list[dict[str, Any]]:
+    base = {"agents": ["builder"], "connect_to": f"127.0.0.1:{up.tls_port('good')}", "methods": ["POST", "GET"],
+            "response_timeout": "1s", "result_horizon": "2s"}
+    return [
+        {"name": "ctl-pay", "host": "ctl-pay.example.test", **base,
+         "lookup": {"path": "/h/status?code=200&for={key}"}},
+        {"name": "ctl-held", "host": "ctl-held.example.test", **base, "approval": True,
+         "approval_timeout": approval_timeout, "response_timeout": "5s", "result_horizon": "6s",
+         "credential": "payments-key", "inject": {"header": "Authorization", "value": "Bearer {secret}"},
+         "idempotency": {"header": "Idempotency-Key", "scope": "held", "retention": "1h"}},
+    ]
+
+
+@pytest.fixture(scope="module", params=DIALECTS)
+def broker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, pki: TestPKI,
+           upstream_server: HostileUpstream) -> Iterator[BrokerProcess]:
+    workdir = tmp_path_factory.mktemp(f"control-{request.param}")
+    process = new_broker(workdir, database_url(request.param, workdir, request), pki, control_routes(upstream_server))
+    process.start()
+    yield process
+    process.stop()
+
+
+def cli(broker: BrokerProcess, *args: str) -> str:
+    done = broker.command(*args)
+    assert done.returncode == 0, done.stderr.decode() + done.stdout.decode()
+    return done.stdout.decode()
+
+
+def sent(up: HostileUpstream) -> list:
+    return [r for r in up.received if r.method]
+
+
+# -- reconciliation ----------------------------------------------------------------------------
+
+
+def test_reconciling_an_unknown_payment_keeps_the_timed_out_disposition(broker, upstream):
+    with broker.client() as client:
+        response = client.post(PAY + "/h/hang", content=b'{"amount":100}')
+    body = check_envelope(response.content)
+    assert (response.status_code, body["error"]["outcome"]) == (504, "unknown")
+    invocation_id = body["invocation_id"]
+    before = broker.wait_for(invocation_id, lambda r: r["stage"] == "ended_unknown")
+    assert before["caller_disposition"] == "timed_out" and before["next_action"] == "reconcile"
+
+    out = cli(broker, "reconcile", invocation_id, "--outcome", "committed", "--reference", "ch_123", "--note", "seen in the PSP dashboard")
+    assert "outcome committed (operator_attested)" in out and "caller disposition timed_out" in out
+
+    after = broker.invocation(invocation_id, broker.operator_token)
+    assert after["outcome"] == "committed" and after["retry"] == "never"
+    assert after["evidence"]["certainty"] == "operator_attested"
+    assert after["caller_disposition"] == "timed_out", "a reconciliation never rewrites the caller's wait"
+    assert after["evidence"]["dispatch_started"] is True and after["evidence"]["response_complete"] is False
+    assert after["events"][:-1] == before["events"], "history is appended to, never rewritten"
+    last = after["events"][-1]
+    assert last["kind"] == "RECONCILED" and last["seq"] == before["events"][-1]["seq"] + 1
+    assert last["data"]["reference"] == "ch_123" and last["data"]["certainty"] == "operator_attested"
+    assert len(sent(upstream)) == 1
+
+
+def test_a_reconciliation_cannot_claim_not_attempted_or_touch_an_undispatched_record(broker, upstream):
+    with broker.client() as client:
+        unknown = check_envelope(client.post(PAY + "/h/close_after_effect", content=b"{}").content)["invocation_id"]
+        refused = check_envelope(client.get("https://nowhere.example.test/").content)["invocation_id"]
+    broker.wait_for(unknown, lambda r: r["stage"] == "ended_unknown")
+    with broker.operator() as api:
+        bad = api.post(f"/v1/invocations/{unknown}/reconcile", json={"outcome": "not_attempted"})
+        assert bad.status_code == 422
+        early = api.post(f"/v1/invocations/{refused}/reconcile", json={"outcome": "committed"})
+        assert early.status_code == 409 and "cannot take RECONCILED" in early.json()["detail"]
+    with broker.api() as agent_api:
+        assert agent_api.post(f"/v1/invocations/{unknown}/reconcile", json={"outcome": "committed"}).status_code == 403
+    assert broker.invocation(unknown)["outcome"] == "unknown"
+
+
+def test_reconcile_by_lookup_asks_the_remote_through_the_broker(broker, upstream):
+    key = "pay_" + secrets.token_hex(6)
+    with broker.client() as client:
+        lost = client.post(PAY + "/h/close_after_effect", content=b"{}", headers={"Idempotency-Key": key})
+    invocation_id = check_envelope(lost.content)["invocation_id"]
+    broker.wait_for(invocation_id, lambda r: r["stage"] == "ended_unknown")
+    out = cli(broker, "reconcile", invocation_id, "--lookup")
+    assert "answered 200: committed" in out
+    record = broker.invocation(invocation_id, broker.operator_token)
+    assert record["outcome"] == "committed" and record["evidence"]["certainty"] == "remote_query"
+    reference = record["events"][-1]["data"]["reference"]
+    looked = broker.invocation(reference, broker.operator_token)
+    assert looked["method"] == "GET" and looked["target"].endswith(f"for={key}")
+    assert looked["agent"] == "builder" and looked["outcome"] == "committed"
+    assert [r.method for r in sent(upstream)] == ["POST", "GET"]
+
+
+def test_lookup_404_means_no_effect(make_broker, upstream):
+    routes = control_routes(upstream)
+    routes[0]["lookup"] = {"path": "/h/status?code=404&for={key}"}
+    broker = make_broker("sqlite", routes=routes)
+    key = "pay_" + secrets.token_hex(6)
+    with broker.client() as client:
+        lost = client.post(PAY + "/h/close_after_effect", content=b"{}", headers={"Idempotency-Key": key})
+    invocation_id = check_envelope(lost.content)["invocation_id"]
+    broker.wait_for(invocation_id, lambda r: r["stage"] == "ended_unknown")
+    out = cli(broker, "reconcile", invocation_id, "--lookup")
+    assert "answered 404: rejected" in out
+    assert broker.invocation(invocation_id)["outcome"] == "rejected"
+
+
+# -- approvals ---------------------------------------------------------------------------------
+
+
+class Held:
+    """A request that waits in a thread while the test plays the operator."""
+
+    def __init__(self, broker: BrokerProcess, body: bytes, key: str | None = None, path: str = "/h/status?code=201", timeout: float = 30):
+        self.result: httpx.Response | Exception | None = None
+        headers = {"Idempotency-Key": key} if key else {}
+
+        def run() -> None:
+            try:
+                with broker.client(timeout=timeout) as client:
+                    self.result = client.post(HELD + path, content=body, headers=headers)
+            except Exception as exc:  # the test inspects it
+                self.result = exc
+
+        self.thread = threading.Thread(target=run)
+        self.thread.start()
+
+    def response(self) -> httpx.Response:
+        self.thread.join(40)
+        assert isinstance(self.result, httpx.Response), self.result
+        return self.result
+
+
+def wait_for_card(broker: BrokerProcess, predicate=lambda card: True, timeout: float = 10) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with broker.operator() as api:
+            items = [c for c in api.get("/v1/approvals").json()["items"] if predicate(c)]
+        if items:
+            return items[-1]
+        time.sleep(0.1)
+    raise AssertionError("no approval card appeared")
+
+
+def test_an_approved_request_goes_through_and_the_card_says_exactly_what(broker, upstream):
+    body = b'{"deploy":"v42"}'
+    held = Held(broker, body)
+    card = wait_for_card(broker)
+    assert (card["agent"], card["route"], card["method"]) == ("builder", "ctl-held", "POST")
+    assert card["target"].startswith("https://ctl-held.example.test:443/h/status")
+    assert card["body_bytes"] == len(body) and len(card["body_sha256"]) == 64
+    assert card["credential_id"] == "payments-key" and card["credential_version"] == "env"
+    assert card["approves"].startswith("sha256:") and not card.get("retry_of_uncertain_action")
+    listed = [json.loads(line) for line in cli(broker, "approvals", "list", "--json").splitlines()]
+    assert [c["invocation_id"] for c in listed] == [card["invocation_id"]]
+    assert card["invocation_id"] in cli(broker, "approvals", "list")
+    assert sent(upstream) == [], "nothing is sent (and no secret touched) while held"
+    cli(broker, "approvals", "approve", card["invocation_id"], "--note", "change ticket 7")
+    response = held.response()
+    assert response.status_code == 201 and response.headers["affidavit-outcome"] == "committed"
+    kinds = [e["kind"] for e in broker.invocation(card["invocation_id"])["events"]]
+    assert kinds[:6] == ["ACTION_ACCEPTED", "PREFLIGHT_VALIDATED", "APPROVAL_REQUESTED", "APPROVAL_GRANTED",
+                         "CREDENTIAL_AUTHORIZED", "DISPATCH_STARTED"]
+    assert len(sent(upstream)) == 1
+
+
+def test_a_denied_request_is_not_attempted_and_sends_nothing(broker, upstream):
+    held = Held(broker, b'{"deploy":"v43"}')
+    card = wait_for_card(broker)
+    cli(broker, "approvals", "deny", card["invocation_id"], "--note", "not today")
+    response = held.response()
+    envelope = check_envelope(response.content)
+    assert response.status_code == 403
+    assert (envelope["error"]["code"], envelope["error"]["phase"], envelope["error"]["outcome"]) == (
+        "APPROVAL_DENIED", "credential_injection", "not_attempted")
+    assert sent(upstream) == []
+    assert "CREDENTIAL_AUTHORIZED" not in [e["kind"] for e in broker.invocation(card["invocation_id"])["events"]]
+
+
+def test_no_decision_in_time_is_not_attempted_with_the_reason(make_broker, upstream):
+    broker = make_broker("sqlite", routes=control_routes(upstream, approval_timeout="1s"))
+    started = time.monotonic()
+    response = Held(broker, b"{}").response()
+    envelope = check_envelope(response.content)
+    assert response.status_code == 409 and envelope["error"]["code"] == "APPROVAL_REQUIRED"
+    assert envelope["error"]["outcome"] == "not_attempted" and "approval" in envelope["error"]["message"]
+    assert 0.9 < time.monotonic() - started < 10
+    assert sent(upstream) == []
+
+
+def test_a_changed_body_under_an_approved_key_is_stale_and_sends_nothing(broker, upstream):
+    key = "deploy_" + secrets.token_hex(6)
+    held = Held(broker, b'{"deploy":"v44"}', key=key)
+    card = wait_for_card(broker)
+    with broker.client() as client:
+        changed = client.post(HELD + "/h/status?code=201", content=b'{"deploy":"v99"}', headers={"Idempotency-Key": key})
+    stale = check_envelope(changed.content)
+    assert (stale["error"]["code"], stale["error"]["outcome"]) == ("APPROVAL_STALE", "not_attempted")
+    cli(broker, "approvals", "approve", card["invocation_id"])
+    assert held.response().status_code == 201
+    assert len(sent(upstream)) == 1 and sent(upstream)[0].body == b'{"deploy":"v44"}'
+
+
+def test_an_approval_is_stale_if_the_credential_rotates_before_dispatch(make_broker, upstream, tmp_path):
+    secret_file = tmp_path / "payments.key"
+    secret_file.write_text("first-secret-value")
+    broker = make_broker("sqlite", routes=control_routes(upstream), start=False,
+                         env={"AFFIDAVIT_FAILPOINTS": "after_approval=pause:1.5@1"})
+    broker.config["secrets"][0]["from"] = f"file:{secret_file}"
+    broker.config_path.write_text(__import__("tomli_w").dumps(broker.config))
+    broker.start()
+    held = Held(broker, b'{"deploy":"v45"}')
+    card = wait_for_card(broker)
+    cli(broker, "approvals", "approve", card["invocation_id"])
+    time.sleep(0.5)  # the broker pauses between the approval and the credential
+    secret_file.write_text("rotated-secret-value")
+    response = held.response()
+    envelope = check_envelope(response.content)
+    assert (envelope["error"]["code"], envelope["error"]["phase"], envelope["error"]["outcome"]) == (
+        "APPROVAL_STALE", "validation", "not_attempted")
+    assert sent(upstream) == [], "the old approval authorises nothing new"
+
+
+def test_a_retry_after_an_unknown_outcome_asks_again_and_says_so(broker, upstream):
+    key = "deploy_" + secrets.token_hex(6)
+    first = Held(broker, b'{"deploy":"v46"}', key=key, path="/h/idem_honour?code=201&lose=1")
+    card = wait_for_card(broker, lambda c: not c.get("retry_of_uncertain_action"))
+    cli(broker, "approvals", "approve", card["invocation_id"])
+    lost = check_envelope(first.response().content)
+    assert lost["error"]["outcome"] == "unknown" and lost["error"]["retry"] == "same_idempotency_key"
+    again = Held(broker, b'{"deploy":"v46"}', key=key, path="/h/idem_honour?code=201&lose=1")
+    retry_card = wait_for_card(broker, lambda c: c.get("retry_of_uncertain_action") is True)
+    assert retry_card["invocation_id"] == card["invocation_id"]
+    cli(broker, "approvals", "approve", retry_card["invocation_id"])
+    assert again.response().status_code == 201
+    assert upstream.effects_by_key[key] == 1 and len(sent(upstream)) == 2
+
+
+def test_a_held_request_survives_a_restart(make_broker, upstream):
+    broker = make_broker("postgresql", routes=control_routes(upstream), recovery={"stale_after": "2s"})
+    key = "deploy_" + secrets.token_hex(6)
+    Held(broker, b'{"deploy":"v47"}', key=key, timeout=5)
+    card = wait_for_card(broker)
+    broker.kill()
+    broker.start()
+    assert wait_for_card(broker)["invocation_id"] == card["invocation_id"], "the restart did not forget it"
+    time.sleep(2.5)  # the old incarnation's heartbeat is stale: the agent's retry may take the wait over
+    resumed = Held(broker, b'{"deploy":"v47"}', key=key)
+    time.sleep(0.5)
+    cli(broker, "approvals", "approve", card["invocation_id"])
+    response = resumed.response()
+    assert response.status_code == 201 and response.headers["affidavit-invocation-id"] == card["invocation_id"]
+    assert len(sent(upstream)) == 1
+    assert json.loads(sent(upstream)[0].body) == {"deploy": "v47"}

@@ -1,0 +1,336 @@
+"""The vault on both dialects: encrypted versions, the contract's codes, and a CLI that never leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import pty
+import secrets
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import tomli_w
+from sqlalchemy import insert, select as sql_select
+from typer.testing import CliRunner
+
+from proxy import vault
+from proxy.contract import Code
+from proxy.credentials import CredentialUnavailable
+from proxy.crypto import KeyRing, generate_key
+from proxy.store import migrate
+from proxy.store.journal import make_engine
+from proxy.store.vault_schema import vault_secrets
+from tests.conftest import DIALECTS, database_url
+from tests.support.journal import dump_journal
+
+KEY_ENV = "AFFIDAVIT_TEST_VAULT_KEY"
+
+
+@pytest.fixture(params=DIALECTS)
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    url = database_url(request.param, tmp_path, request)
+    migrate.upgrade(url)
+    return url
+
+
+def canary() -> str:
+    return "sk_vault_canary_" + secrets.token_hex(12)
+
+
+def ring(material: bytes | None = None, key_id: str = "k1") -> KeyRing:
+    return KeyRing([(key_id, material or os.urandom(32))])
+
+
+def on_engine(url: str, work):
+    async def run():
+        engine = make_engine(url)
+        try:
+            return await work(engine)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(run())
+
+
+def leaked(value: str, text: str) -> bool:
+    """The value in any form a dump shows bytes: plain (SQLite files, text) or hex (PostgreSQL bytea)."""
+    return value in text or value.encode().hex() in text.lower()
+
+
+# -- the API -------------------------------------------------------------------------------------
+
+
+def test_a_stored_secret_reads_back_and_never_appears_in_the_database(db):
+    value = canary()
+    keys = ring()
+
+    async def scenario(engine):
+        version = await vault.put(engine, keys, "payments-key", value)
+        return version, await vault.latest(engine, keys, "payments-key")
+
+    version, (read, read_version) = on_engine(db, scenario)
+    assert version == read_version == "v1"
+    assert read == value
+    dump = dump_journal(db)
+    assert "vault_secrets" in dump or "payments-key" in dump, "the dump must include the vault table"
+    assert not leaked(value, dump)
+
+
+def test_rotation_adds_a_version_and_latest_returns_it(db):
+    keys = ring()
+    first, second = canary(), canary()
+
+    async def scenario(engine):
+        v1 = await vault.put(engine, keys, "payments-key", first)
+        v2 = await vault.rotate(engine, keys, "payments-key", second)
+        return v1, v2, await vault.latest(engine, keys, "payments-key"), await vault.list_secrets(engine)
+
+    v1, v2, (value, version), listing = on_engine(db, scenario)
+    assert (v1, v2) == ("v1", "v2")
+    assert (value, version) == (second, "v2")
+    assert [v.version for v in listing["payments-key"]] == ["v1", "v2"]
+    assert all(v.key_id == "k1" for v in listing["payments-key"])
+
+
+def test_rotate_refuses_a_name_that_is_not_in_the_vault(db):
+    keys = ring()
+
+    async def scenario(engine):
+        with pytest.raises(CredentialUnavailable) as caught:
+            await vault.rotate(engine, keys, "typo-key", canary())
+        return caught.value, await vault.list_secrets(engine)
+
+    error, listing = on_engine(db, scenario)
+    assert error.code is Code.CREDENTIAL_MISSING
+    assert listing == {}
+
+
+def test_without_keys_the_vault_is_locked(db):
+    async def scenario(engine):
+        with pytest.raises(CredentialUnavailable) as on_put:
+            await vault.put(engine, KeyRing.empty(), "payments-key", canary())
+        await vault.put(engine, ring(), "payments-key", canary())
+        with pytest.raises(CredentialUnavailable) as on_read:
+            await vault.latest(engine, KeyRing.empty(), "payments-key")
+        return on_put.value, on_read.value, await vault.list_secrets(engine)
+
+    on_put, on_read, listing = on_engine(db, scenario)
+    assert on_put.code is Code.VAULT_LOCKED and on_read.code is Code.VAULT_LOCKED
+    assert "[crypto] keys" in on_read.message
+    assert [v.version for v in listing["payments-key"]] == ["v1"], "the locked put stored nothing"
+
+
+def test_a_missing_secret_is_credential_missing(db):
+    async def scenario(engine):
+        with pytest.raises(CredentialUnavailable) as caught:
+            await vault.latest(engine, ring(), "nothing-here", what="credential 'payments-key'")
+        return caught.value
+
+    error = on_engine(db, scenario)
+    assert error.code is Code.CREDENTIAL_MISSING
+    assert error.message.startswith("credential 'payments-key':")
+
+
+def test_the_wrong_key_or_a_removed_key_is_a_decrypt_failure_that_never_shows_the_value(db):
+    value = canary()
+    material = os.urandom(32)
+
+    async def scenario(engine):
+        await vault.put(engine, ring(material), "payments-key", value)
+        errors = []
+        for keys in (ring(os.urandom(32)), ring(key_id="k2")):  # same id, other key; other id only
+            with pytest.raises(CredentialUnavailable) as caught:
+                await vault.latest(engine, keys, "payments-key")
+            errors.append(caught.value)
+        return errors
+
+    wrong_material, unknown_id = on_engine(db, scenario)
+    assert wrong_material.code is Code.CREDENTIAL_DECRYPT_FAILED
+    assert unknown_id.code is Code.CREDENTIAL_DECRYPT_FAILED
+    assert "'k1'" in unknown_id.message and "not in [crypto] keys" in unknown_id.message
+    for error in (wrong_material, unknown_id):
+        assert value not in error.message and "v1" in error.message
+
+
+def test_a_ciphertext_copied_onto_another_secret_does_not_decrypt(db):
+    keys = ring()
+
+    async def scenario(engine):
+        await vault.put(engine, keys, "admin-key", canary())
+        async with engine.begin() as conn:
+            stolen = (await conn.execute(sql_select(vault_secrets).where(vault_secrets.c.name == "admin-key"))).mappings().one()
+            # An attacker with INSERT rights plants admin-key's ciphertext as a new secret.
+            await conn.execute(insert(vault_secrets).values({**stolen, "name": "reader-key"}))
+        with pytest.raises(CredentialUnavailable) as caught:
+            await vault.latest(engine, keys, "reader-key")
+        return caught.value
+
+    assert on_engine(db, scenario).code is Code.CREDENTIAL_DECRYPT_FAILED
+
+
+def test_concurrent_puts_get_distinct_versions(db):
+    keys = ring()
+    values = [canary() for _ in range(5)]
+
+    async def scenario(engine):
+        versions = await asyncio.gather(*(vault.put(engine, keys, "payments-key", v) for v in values))
+        return versions, await vault.latest(engine, keys, "payments-key")
+
+    versions, (value, version) = on_engine(db, scenario)
+    assert sorted(versions, key=lambda v: int(v[1:])) == ["v1", "v2", "v3", "v4", "v5"]
+    assert value == values[versions.index("v5")] and version == "v5"
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+RUNNER = "import sys; from proxy.cli_security import {app}; {app}(prog_name='affidavit')"
+
+
+def write_config(workdir: Path, url: str, keys: bool = True) -> Path:
+    config = {"database": {"url": url}}
+    if keys:
+        config["crypto"] = {"keys": [f"k1=env:{KEY_ENV}"]}
+    path = workdir / "affidavit.toml"
+    path.write_text(tomli_w.dumps(config))
+    return path
+
+
+def cli_env(key: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AFFIDAVIT_")}
+    if key is not None:
+        env[KEY_ENV] = key
+    return env
+
+
+def run_cli(app: str, *args: str, cwd: Path, env: dict[str, str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """The command as a real process: ``python -c '<app>()' ARGS`` with stdin a pipe, not a terminal."""
+    return subprocess.run(
+        [sys.executable, "-c", RUNNER.format(app=app), *args],
+        input=stdin if stdin is not None else "",
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=60,
+    )
+
+
+@pytest.fixture
+def cli(db: str, tmp_path: Path):
+    workdir = tmp_path / "cli"
+    workdir.mkdir()
+    config = write_config(workdir, db)
+    key = generate_key()
+    keys = KeyRing([("k1", base64.b64decode(key))])
+    return db, workdir, config, key, keys
+
+
+def test_secrets_set_reads_stdin_prints_only_name_and_version_and_stores_ciphertext(cli):
+    db, workdir, config, key, keys = cli
+    first, second = canary(), canary()
+    outputs = []
+    for verb, value in (("set", first), ("rotate", second)):
+        done = run_cli("secrets_app", verb, "payments-key", "-c", str(config), cwd=workdir, env=cli_env(key), stdin=value + "\n")
+        assert done.returncode == 0, done.stderr
+        outputs.append(done.stdout + done.stderr)
+    listed = run_cli("secrets_app", "list", "-c", str(config), cwd=workdir, env=cli_env(key))
+    assert listed.returncode == 0, listed.stderr
+    assert outputs[0].strip() == "affidavit: stored payments-key v1"
+    assert outputs[1].strip() == "affidavit: stored payments-key v2"
+    assert "payments-key: v1 (key k1" in listed.stdout and "in use: v2" in listed.stdout
+    value, version = on_engine(db, lambda engine: vault.latest(engine, keys, "payments-key"))
+    assert (value, version) == (second, "v2"), "the trailing newline of stdin is not part of the value"
+    dump = dump_journal(db)
+    for secret in (first, second):
+        assert not leaked(secret, dump)
+        assert not any(secret in text for text in (*outputs, listed.stdout, listed.stderr))
+
+
+@pytest.mark.parametrize("argv", [["payments-key", "{value}"], ["payments-key", "--value={value}"], ["payments-key", "--value", "{value}"]])
+def test_secrets_set_refuses_a_value_on_the_command_line_and_does_not_echo_it(cli, argv):
+    db, workdir, config, key, keys = cli
+    value = canary()
+    args = [a.format(value=value) for a in argv]
+    done = run_cli("secrets_app", "set", *args, "-c", str(config), cwd=workdir, env=cli_env(key), stdin=canary())
+    assert done.returncode == 2
+    assert "never taken from the command line" in done.stderr and "nothing was stored" in done.stderr
+    assert value not in done.stdout + done.stderr
+    assert on_engine(db, vault.list_secrets) == {}, "nothing may be stored, not even the stdin value"
+
+    from proxy.cli_security import secrets_app
+
+    result = CliRunner().invoke(secrets_app, ["set", *args, "-c", str(config)], input=canary(), env=cli_env(key))
+    assert result.exit_code == 2 and value not in result.output
+    assert on_engine(db, vault.list_secrets) == {}
+
+
+def test_secrets_commands_without_keys_say_the_vault_is_locked(cli):
+    db, workdir, _, key, _ = cli
+    (workdir / "nokeys").mkdir()
+    config = write_config(workdir / "nokeys", db, keys=False)
+    value = canary()
+    done = run_cli("secrets_app", "set", "payments-key", "-c", str(config), cwd=workdir, env=cli_env(None), stdin=value)
+    assert done.returncode == 1
+    assert "VAULT_LOCKED" in done.stderr and "affidavit keys generate" in done.stderr
+    assert value not in done.stdout + done.stderr
+    assert on_engine(db, vault.list_secrets) == {}
+
+
+def test_secrets_rotate_refuses_an_unknown_name_through_the_cli(cli):
+    db, workdir, config, key, _ = cli
+    done = run_cli("secrets_app", "rotate", "typo-key", "-c", str(config), cwd=workdir, env=cli_env(key), stdin=canary())
+    assert done.returncode == 1 and "CREDENTIAL_MISSING" in done.stderr and "secrets set typo-key" in done.stderr
+    assert on_engine(db, vault.list_secrets) == {}
+
+
+def test_secrets_set_in_a_terminal_prompts_twice_without_echo(cli):
+    db, workdir, config, key, keys = cli
+    value = canary()
+    argv = [sys.executable, "-c", RUNNER.format(app="secrets_app"), "set", "payments-key", "-c", str(config)]
+    output, status = in_terminal(argv, cwd=workdir, env=cli_env(key), answers=[("Value", value), ("Repeat", value)])
+    assert status == 0, output
+    assert "stored payments-key v1" in output
+    assert value not in output, "a hidden prompt must not echo the value"
+    assert on_engine(db, lambda engine: vault.latest(engine, keys, "payments-key")) == (value, "v1")
+
+
+def in_terminal(argv: list[str], *, cwd: Path, env: dict[str, str], answers: list[tuple[str, str]], timeout: float = 60) -> tuple[str, int]:
+    """Run ``argv`` with a pseudo-terminal as its controlling terminal, answering prompts.
+
+    An answer is typed only once the prompt ends in ": " (getpass writes that after turning
+    echo off and before reading; typing earlier would be echoed, then flushed).
+    """
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: becomes the command
+        os.chdir(cwd)
+        os.execve(argv[0], argv, env)
+    output = b""
+    pending = list(answers)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.5)
+            if ready:
+                try:
+                    chunk = os.read(fd, 4096)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                output += chunk
+            last_line = output.rsplit(b"\n", 1)[-1]
+            if pending and pending[0][0].encode() in last_line and last_line.endswith(b": "):
+                os.write(fd, pending.pop(0)[1].encode() + b"\n")
+                output += b"\n"
+    finally:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done == 0:  # still waiting for input we never gave: stop it
+            os.kill(pid, 9)
+            _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    return output.decode(errors="replace"), os.waitstatus_to_exitcode(status)
