@@ -16,13 +16,14 @@ import hmac
 import logging
 import time
 from http import HTTPStatus
+from typing import Callable
 from mitmproxy import http
 from mitmproxy.connection import Client, ConnectionState
 
 from .broker import AgentRequest, Broker, Reply, should_retry
 from .contract import Code, Outcome, Phase, Retry
 from .envelope import MEDIA_TYPE, encode, envelope
-from .failpoints import failpoint
+from .failpoints import failpoint_now
 
 log = logging.getLogger("affidavit.addon")
 
@@ -99,29 +100,42 @@ class AgentAuth:
             return agent
         return self.authenticate(flow.request.headers.get("Proxy-Authorization"))
 
+    def connect(self, flow: http.HTTPFlow) -> None:
+        """CONNECT: the only place an HTTPS agent presents its credentials."""
+        agent = self.authenticate(flow.request.headers.get("Proxy-Authorization"))
+        if agent is None:
+            flow.response = auth_required()
+        else:
+            self._by_client[flow.client_conn.id] = agent
+
+    def forget(self, client: Client) -> None:
+        self._by_client.pop(client.id, None)
+
+
+class BrokerAddon:
+    """The one addon: identity, each request to the broker, and whether the reply reached the
+    caller. One addon rather than several, because mitmproxy walks every addon for every hook."""
+
+    def __init__(self, broker: Broker, auth: AgentAuth, on_running: Callable[[], None] | None = None):
+        self.broker = broker
+        self.auth = auth
+        self._on_running = on_running
+        self._live: dict[str, AgentRequest] = {}
+        self._unsent: dict[str, Reply] = {}
+
+    def running(self) -> None:
+        if self._on_running is not None:
+            self._on_running()
+
     def http_connect(self, flow: http.HTTPFlow) -> None:
         try:
-            agent = self.authenticate(flow.request.headers.get("Proxy-Authorization"))
-            if agent is None:
-                flow.response = auth_required()
-            else:
-                self._by_client[flow.client_conn.id] = agent
+            self.auth.connect(flow)
         except Exception:  # never fail open
             log.exception("proxy authentication failed unexpectedly")
             flow.response = auth_required()
 
     def client_disconnected(self, client: Client) -> None:
-        self._by_client.pop(client.id, None)
-
-
-class BrokerAddon:
-    """Hands each request to the broker and tells it whether the reply reached the caller."""
-
-    def __init__(self, broker: Broker, auth: AgentAuth):
-        self.broker = broker
-        self.auth = auth
-        self._live: dict[str, AgentRequest] = {}
-        self._unsent: dict[str, Reply] = {}
+        self.auth.forget(client)
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         try:
@@ -167,11 +181,11 @@ class BrokerAddon:
             log.exception("the broker failed on a request; answering with an envelope")
             flow.response = _internal_error()
 
-    async def response(self, flow: http.HTTPFlow) -> None:
+    def response(self, flow: http.HTTPFlow) -> None:
         reply = self._unsent.pop(flow.id, None)
         if reply is None:
             return
-        await failpoint("during_delivery")
+        failpoint_now("during_delivery")
         try:
             if flow.error is None and flow.client_conn.timestamp_end is None:
                 if reply.delivered is not None:

@@ -87,6 +87,44 @@ IDEMPOTENCY_KEY_HEADER = "Affidavit-Idempotency-Key"
 _UNSTORED_HEADERS = frozenset({"set-cookie", "set-cookie2", "authorization", "proxy-authorization"})
 
 
+class Flag:
+    """A one-way signal with callbacks: cheaper than an Event plus a waiting task per request."""
+
+    __slots__ = ("_set", "_callbacks")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._callbacks: list[Callable[[], None]] = []
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            callbacks, self._callbacks = self._callbacks, []
+            for callback in callbacks:
+                callback()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def add_callback(self, callback: Callable[[], None]) -> None:
+        if self._set:
+            callback()
+        else:
+            self._callbacks.append(callback)
+
+    async def wait(self, timeout: float | None = None) -> bool:
+        """True once set; False if ``timeout`` passed first."""
+        if self._set:
+            return True
+        future = asyncio.get_running_loop().create_future()
+        self.add_callback(lambda: future.done() or future.set_result(None))
+        try:
+            await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+
 @dataclass(slots=True)
 class AgentRequest:
     """An authenticated agent's request, as the proxy core parsed it."""
@@ -100,7 +138,7 @@ class AgentRequest:
     headers: list[tuple[str, str]]
     body: bytes
     #: Set by the adapter when the agent's connection goes away.
-    caller_gone: asyncio.Event = field(default_factory=asyncio.Event)
+    caller_gone: Flag = field(default_factory=Flag)
 
     def header(self, name: str) -> str | None:
         name = name.lower()
@@ -146,8 +184,10 @@ class _Exchange:
         self.entry = entry
         self.request = request
         self.needles = needles
-        self.dispatched = asyncio.Event()
+        self.dispatched = Flag()
         self.caller_left = False
+        self.request_written = False
+        self.status_seen: int | None = None
         self.approval_check: Callable[[], str | None] | None = None
         self.connection: str | None = None
         self.attempt = max(entry.record.attempt_count, 1)
@@ -175,12 +215,24 @@ class _Exchange:
         await failpoint("after_dispatch_commit")
 
     async def request_sent(self) -> None:
-        self.entry.append(EventKind.REQUEST_SENT, attempt=self.attempt)
+        self.request_written = True
         await failpoint("after_request_sent")
 
     async def response_started(self, status: int) -> None:
-        self.entry.append(EventKind.REMOTE_RESPONSE_STARTED, attempt=self.attempt, status=status)
+        self.status_seen = status
         await failpoint("mid_response_headers")
+
+    def record_progress(self) -> None:
+        """Append how far a dispatched exchange got (REQUEST_SENT, REMOTE_RESPONSE_STARTED).
+
+        Recorded only when something ends without a complete response: a complete response
+        implies both facts. Until then they live in memory, like the bytes they describe: a
+        crash makes them moot (recovery records the dispatch as unknown either way).
+        """
+        if self.request_written and self.entry.record.stage is Stage.DISPATCHED:
+            self.entry.append(EventKind.REQUEST_SENT, attempt=self.attempt)
+        if self.status_seen is not None and self.entry.record.stage in (Stage.DISPATCHED, Stage.SENT):
+            self.entry.append(EventKind.REMOTE_RESPONSE_STARTED, attempt=self.attempt, status=self.status_seen)
 
     async def body_started(self) -> None:
         await failpoint("mid_response_body")
@@ -200,6 +252,9 @@ class _Exchange:
             )
             return _Settled(setup=exc, attempt=self.attempt)
         except ExchangeFailed as exc:
+            if not exc.request_complete:
+                self.request_written = False  # the transport's word only counts when complete
+            self.record_progress()
             return _Settled(failure=exc, attempt=self.attempt)
         return await self._record_result(response)
 
@@ -693,10 +748,7 @@ class Broker:
                     f"{route.approval_timeout:g} s. Nothing was sent. Ask an operator to approve it "
                     "(GET /v1/approvals), then repeat the request.",
                 )
-            try:
-                await asyncio.wait_for(req.caller_gone.wait(), 0.25)
-            except asyncio.TimeoutError:
-                pass
+            await req.caller_gone.wait(0.25)
 
     def _approval_still_valid(self, approval: dict[str, Any], entry: InvocationLog, req: AgentRequest, route: Route) -> str | None:
         """Right before the dispatch write: does the approval cover exactly what is about to be
@@ -716,22 +768,19 @@ class Broker:
         return route.result_horizon or self.settings.upstream.result_horizon
 
     async def _run(self, entry: InvocationLog, exchange: _Exchange, req: AgentRequest, route: Route) -> Reply:
+        """Run the exchange in its own task; give the caller its answer, or let it go."""
         started = time.monotonic()
-        task = asyncio.create_task(exchange.run(), name=f"exchange {entry.invocation_id}")
-        gone = asyncio.create_task(req.caller_gone.wait())
-        try:
-            # Until dispatch, connection setup is bounded by its own timeouts.
-            dispatched = asyncio.create_task(exchange.dispatched.wait())
-            done, _ = await asyncio.wait({task, gone, dispatched}, return_when=asyncio.FIRST_COMPLETED)
-            dispatched.cancel()
-            if task not in done and gone not in done:
-                timeout = route.response_timeout or self.settings.upstream.response_timeout
-                done, _ = await asyncio.wait({task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            if task in done:
-                return await self._answer(exchange, task.result())
-            disposition = "disconnected" if gone in done else "timed_out"
-        finally:
-            gone.cancel()
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(exchange.run())
+        # Until dispatch, connection setup is bounded by its own timeouts; after it, the caller
+        # waits at most the response timeout.
+        await _first_of(loop, task, req.caller_gone, exchange.dispatched)
+        if not task.done() and not req.caller_gone.is_set():
+            timeout = route.response_timeout or self.settings.upstream.response_timeout
+            await _first_of(loop, task, req.caller_gone, timeout=timeout)
+        if task.done():
+            return await self._answer(exchange, task.result())
+        disposition = "disconnected" if req.caller_gone.is_set() else "timed_out"
         return await self._release_caller(entry, exchange, task, disposition, started, self._horizon(route))
 
     async def _release_caller(
@@ -745,6 +794,7 @@ class Broker:
     ) -> Reply:
         """The caller stopped waiting; the exchange goes on in the background until the horizon."""
         exchange.caller_left = True
+        exchange.record_progress()
         entry.append(EventKind.CALLER_CANCELLED, disposition=disposition)
         horizon = horizon - (time.monotonic() - started)
         self._spawn(self._finish_unanswered(entry, task, max(horizon, 0.1)))
@@ -1005,6 +1055,28 @@ async def note_replay(journal: Journal, row: dict[str, Any], record: Record, cha
             await entry.commit()
     except Exception as exc:
         log.info("could not record a replay of %s: %s", row["invocation_id"], exc)
+
+
+async def _first_of(
+    loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], *flags: Flag, timeout: float | None = None
+) -> None:
+    """Wait until the task ends, a flag is set, or the timeout passes, whichever is first."""
+    wake = loop.create_future()
+
+    def poke(*_: Any) -> None:
+        if not wake.done():
+            wake.set_result(None)
+
+    task.add_done_callback(poke)
+    for flag in flags:
+        flag.add_callback(poke)
+    timer = loop.call_later(timeout, poke) if timeout is not None else None
+    try:
+        await wake
+    finally:
+        task.remove_done_callback(poke)
+        if timer is not None:
+            timer.cancel()
 
 
 def should_retry(retry: Retry) -> list[tuple[str, str]]:

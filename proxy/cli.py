@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -49,6 +50,7 @@ def run(
     """Start the broker: the proxy and the side API."""
     from .app import run as run_broker
 
+    _optimized()
     if example:
         from .example import write_example
 
@@ -104,6 +106,16 @@ def db_upgrade(config: ConfigOption = None) -> None:
     settings = _settings(config)
     migrate.upgrade(settings.database.url)
     typer.echo(f"affidavit: {redact_url(settings.database.url)} is at revision {migrate.head()}")
+
+
+def _optimized() -> None:
+    """Serve under ``python -O``: mitmproxy type-checks every request and response it builds
+    while ``__debug__`` is true (a development aid that costs a third of its CPU per request).
+    The broker's own code never relies on ``assert``. Same process (exec), same PID.
+    ``AFFIDAVIT_DEBUG_CHECKS=1`` keeps the checks."""
+    if sys.flags.optimize or os.environ.get("AFFIDAVIT_DEBUG_CHECKS") == "1":
+        return
+    os.execv(sys.executable, [sys.executable, "-O", "-m", "proxy", *sys.argv[1:]])
 
 
 def main() -> None:

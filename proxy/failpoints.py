@@ -75,6 +75,21 @@ def active() -> bool:
     return bool(_ACTIVE)
 
 
+def failpoint_now(name: str) -> None:
+    """The synchronous form, for hooks that must not yield: ``kill`` and ``raise`` only."""
+    if not _ACTIVE:
+        return
+    action = _ACTIVE.get(name)
+    if action is None or action.remaining == 0 or action.kind == "pause":
+        return
+    if action.remaining is not None:
+        action.remaining -= 1
+    log.warning("failpoint %s: %s", name, action.kind)
+    if action.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise FailpointError(f"failpoint {name}")
+
+
 async def failpoint(name: str) -> None:
     """Act if the failpoint ``name`` is armed; otherwise return at once."""
     if not _ACTIVE:

@@ -200,6 +200,18 @@ class InvocationLog:
         ``claim``: the first write of a keyed invocation, refused with IdempotencyConflict if
         another invocation holds the same (agent, scope, key).
         """
+        write = self._next_write(result, fence, claim, lazy)
+        self._last = self.journal.submit(write)
+        return self._last
+
+    async def commit(
+        self, *, result: dict[str, Any] | None = None, fence: Fence | None = None, claim: bool = False
+    ) -> None:
+        """Make everything appended so far durable; raises JournalUnavailable or LeaseLost."""
+        await self.submit(result=result, fence=fence, claim=claim)
+
+    def _next_write(self, result: dict[str, Any] | None, fence: Fence | None, claim: bool, lazy: bool) -> Write:
+        """The buffered events and the new projection, as one write after the previous one."""
         projection = self.projection()
         write = Write(events=self._buffer, result=result, fence=fence or self.fence(), after=self._last, lazy=lazy)
         self._last_write = write
@@ -210,12 +222,7 @@ class InvocationLog:
             write.insert_invocation = self._insert_row(projection)
             write.claim = claim
             self._persisted = True
-        self._last = self.journal.submit(write)
-        return self._last
-
-    async def commit(self, **kwargs: Any) -> None:
-        """Make everything appended so far durable; raises JournalUnavailable or LeaseLost."""
-        await self.submit(**kwargs)
+        return write
 
     def resubmit(self) -> asyncio.Future[None]:
         """Try the last write again, whole (after the journal failed it); later writes wait for it."""

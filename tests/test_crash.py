@@ -227,15 +227,16 @@ def test_a_result_that_cannot_be_stored_is_delivered_flagged_and_recorded_later(
     assert "operator attention" in broker.logs()
 
 
-def _load(broker: BrokerProcess, n: int, threads: int, tag: str) -> list[tuple[int, httpx.Response | None]]:
-    """n requests from `threads` clients, each with a unique marker the upstream logs."""
+def _load(broker: BrokerProcess, seconds: float, threads: int, tag: str) -> list[tuple[int, httpx.Response | None]]:
+    """Requests from `threads` clients for `seconds`, each with a unique marker the upstream logs."""
     answers: list[tuple[int, httpx.Response | None]] = []
     lock = threading.Lock()
-    counter = iter(range(n))
+    counter = iter(range(1_000_000))
+    deadline = time.monotonic() + seconds
 
     def worker() -> None:
         with broker.client(timeout=10) as client:
-            for i in iter(lambda: next(counter, None), None):
+            for i in iter(lambda: next(counter) if time.monotonic() < deadline else None, None):
                 try:
                     r = client.post(f"{CRASH}/h/status?code=200&n={tag}{i}", content=b"{}")
                 except httpx.HTTPError:
@@ -271,7 +272,7 @@ def test_cutting_the_database_during_load_loses_nothing(make_broker, upstream, r
     restorer = threading.Timer(2.5, relay.restore)
     cutter.start()
     restorer.start()
-    answers = _load(broker, 600, 8, "cut")
+    answers = _load(broker, 4.0, 8, "cut")
     cutter.join()
     restorer.join()
     statuses = [r.status_code for _, r in answers if r is not None]
@@ -285,7 +286,7 @@ def test_restarting_postgresql_during_load_loses_nothing(make_broker, upstream, 
         broker = _start_on(make_broker, upstream, url)
         restarter = threading.Timer(1.0, lambda: (cluster.stop("immediate"), time.sleep(1.0), cluster.start()))
         restarter.start()
-        answers = _load(broker, 600, 8, "restart")
+        answers = _load(broker, 4.0, 8, "restart")
         restarter.join()
         statuses = [r.status_code for _, r in answers if r is not None]
         assert 200 in statuses

@@ -19,15 +19,19 @@ import hashlib
 import json
 import logging
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
+import orjson
 from sqlalchemy import and_, bindparam, event, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.engine import Connection, Engine, create_engine
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from .. import metrics
@@ -101,9 +105,9 @@ class Write:
 
 
 def canonical_event_bytes(row: dict[str, Any]) -> bytes:
-    """The bytes an event's hash covers: every stored column but the hash itself.
-
-    ``audit verify`` recomputes this from the stored row, without any key.
+    """The bytes an event's hash covers: every stored column but the hash itself, as a compact
+    UTF-8 JSON array (invocation_id, seq, kind, at, writer, writer_seq, prev_hash, key_id,
+    base64 of the payload). ``audit verify`` recomputes it from the stored row, without any key.
     """
     fields = [
         row["invocation_id"],
@@ -116,7 +120,7 @@ def canonical_event_bytes(row: dict[str, Any]) -> bytes:
         row["key_id"],
         base64.b64encode(bytes(row["payload"])).decode("ascii"),
     ]
-    return json.dumps(fields, separators=(",", ":")).encode()
+    return orjson.dumps(fields)
 
 
 def canonical_time(at: datetime | str) -> str:
@@ -132,26 +136,31 @@ def chain_hash(row: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_event_bytes(row)).hexdigest()
 
 
+def _sqlite_settings(engine: Engine, timeout: float) -> Engine:
+    """WAL (readers beside the writer), FULL (each commit durable), and BEGIN IMMEDIATE."""
+
+    @event.listens_for(engine, "connect")
+    def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None
+        cursor = dbapi_conn.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=FULL")
+        cursor.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Any) -> None:
+        # Take the write lock up front so concurrent broker processes queue, not deadlock.
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
 def make_engine(url: str, pool_size: int = 10, timeout: float = 5.0) -> AsyncEngine:
     """An async engine with the settings durability and fail-fast behaviour depend on."""
     if url.startswith("sqlite"):
         engine = create_async_engine(url, connect_args={"timeout": timeout})
-
-        @event.listens_for(engine.sync_engine, "connect")
-        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
-            # WAL lets readers run beside the writer; FULL makes each commit durable.
-            dbapi_conn.isolation_level = None
-            cursor = dbapi_conn.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA synchronous=FULL")
-            cursor.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
-            cursor.close()
-
-        @event.listens_for(engine.sync_engine, "begin")
-        def _begin(conn: Any) -> None:
-            # Take the write lock up front so concurrent broker processes queue, not deadlock.
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
-
+        _sqlite_settings(engine.sync_engine, timeout)
         return engine
     return create_async_engine(
         url,
@@ -216,9 +225,19 @@ class Journal:
         self.writer_base = writer
         self.timeout = timeout
         self.max_batch = max_batch
-        self._queue: asyncio.Queue[Write] = asyncio.Queue()
+        # A deque and one wake-up future: waiting for work costs no task per wait.
+        self._queue: deque[Write] = deque()
+        self._wakeup: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._conn: AsyncConnection | None = None
+        # SQLite: the journal writes through its own synchronous connection in one worker thread.
+        self._sqlite: Engine | None = None
+        self._sqlite_thread: ThreadPoolExecutor | None = None
+        if engine.dialect.name == "sqlite":
+            url = engine.url.set(drivername="sqlite")
+            self._sqlite = _sqlite_settings(create_engine(url, connect_args={"timeout": timeout}), timeout)
+            self._sqlite_thread = ThreadPoolExecutor(1, thread_name_prefix="affidavit-journal")
+        self._driver: Any = None  # the asyncpg connection under ``_conn`` (PostgreSQL fast path)
         self._generation = 0
         self.writer = writer
         self._writer_seq = 0
@@ -262,6 +281,8 @@ class Journal:
                 pass
             self._task = None
         await self._drop_connection()
+        if self._sqlite is not None and self._sqlite_thread is not None:
+            await asyncio.get_running_loop().run_in_executor(self._sqlite_thread, self._sqlite.dispose)
 
     def submit(self, write: Write) -> asyncio.Future[None]:
         """Queue rows for the next transaction; the future resolves once they are durable."""
@@ -269,7 +290,9 @@ class Journal:
         if self._task is None:
             write.future.set_exception(JournalUnavailable("the journal writer is not running"))
         else:
-            self._queue.put_nowait(write)
+            self._queue.append(write)
+            if self._wakeup is not None and not self._wakeup.done():
+                self._wakeup.set_result(None)
         return write.future
 
     async def commit(self, write: Write) -> None:
@@ -286,21 +309,38 @@ class Journal:
         except JournalUnavailable:
             pass
 
+    async def _next(self, timeout: float | None) -> Write | None:
+        """The next queued write, waiting up to ``timeout`` (None: for ever) for one."""
+        if not self._queue:
+            loop = asyncio.get_running_loop()
+            self._wakeup = wakeup = loop.create_future()
+            timer = loop.call_later(timeout, lambda: wakeup.done() or wakeup.set_result(None)) if timeout else None
+            try:
+                await wakeup
+            finally:
+                self._wakeup = None
+                if timer is not None:
+                    timer.cancel()
+        return self._queue.popleft() if self._queue else None
+
     async def _run(self) -> None:
         while True:
-            batch = [await self._queue.get()]
+            first = await self._next(None)
+            if first is None:
+                continue
+            batch = [first]
             while len(batch) < self.max_batch:
-                if self._queue.empty():
+                if not self._queue:
                     if not all(w.lazy for w in batch):
                         break
                     # Only facts nobody waits for: let them ride with the next commit that
                     # somebody does wait for, or go on their own after a short linger.
-                    try:
-                        batch.append(await asyncio.wait_for(self._queue.get(), self.linger))
-                    except asyncio.TimeoutError:
+                    more = await self._next(self.linger)
+                    if more is None:
                         break
+                    batch.append(more)
                     continue
-                batch.append(self._queue.get_nowait())
+                batch.append(self._queue.popleft())
             await failpoint("journal_before_commit")
             await self._write_batch(batch)
 
@@ -310,6 +350,7 @@ class Journal:
         return self._conn
 
     async def _drop_connection(self) -> None:
+        self._driver = None
         conn, self._conn = self._conn, None
         if conn is not None:
             try:
@@ -337,11 +378,13 @@ class Journal:
             return
         try:
             try:
-                refused = await asyncio.wait_for(self._write(live), self.timeout)
+                async with asyncio.timeout(self.timeout):  # no extra task per batch, unlike wait_for
+                    refused = await self._write(live)
             except (IntegrityError, asyncpg.UniqueViolationError):
                 # A write collided with another writer's rows (a race on one invocation). Redo
                 # the batch with each write in its own savepoint so only the colliding one fails.
-                refused = await asyncio.wait_for(self._transaction(live, isolate=True), self.timeout)
+                async with asyncio.timeout(self.timeout):
+                    refused = await self._transaction(live, isolate=True)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any failure to make the rows durable: the callers are told
@@ -367,9 +410,8 @@ class Journal:
                 w.future.set_result(None)  # type: ignore[union-attr]
 
     async def _write(self, batch: list[Write]) -> dict[int, Exception]:
-        conn = await self._connection()
-        if conn.dialect.name == "postgresql" and sum(len(w.result["body"]) for w in batch if w.result) < _INLINE_LIMIT:
-            return await self._call_batch(conn, batch)
+        if self._sqlite is None and sum(len(w.result["body"]) for w in batch if w.result) < _INLINE_LIMIT:
+            return await self._call_batch(await self._connection(), batch)
         return await self._transaction(batch, isolate=False)
 
     async def _call_batch(self, conn: AsyncConnection, batch: list[Write]) -> dict[int, Exception]:
@@ -378,7 +420,9 @@ class Journal:
         Refused fences or claims come back as SQLSTATE AF001 with nothing written; those writes
         are dropped, the rest re-chained, and the call repeated.
         """
-        driver = (await conn.get_raw_connection()).driver_connection
+        driver = self._driver
+        if driver is None or driver.is_closed():
+            driver = self._driver = (await conn.get_raw_connection()).driver_connection
         refused: dict[int, Exception] = {}
         live = list(batch)
         while True:
@@ -432,7 +476,7 @@ class Journal:
             "results": [w.result for w in writes if w.result],
             "checkpoints": [mark] if mark else [],
         }
-        return json.dumps(document, default=_json_value, separators=(",", ":")), mark
+        return orjson.dumps(document, default=_json_value).decode(), mark
 
     def _checkpoint(self, chain: list[Any]) -> dict[str, Any] | None:
         """A chain checkpoint row if one is due after this batch (same transaction as its events)."""
@@ -469,20 +513,39 @@ class Journal:
         return rows
 
     async def _transaction(self, batch: list[Write], *, isolate: bool) -> dict[int, Exception]:
-        """One transaction for the batch. Returns the writes that were refused, with why.
+        """Plain statements: SQLite always, PostgreSQL for large results and isolated retries.
+
+        SQLite runs the whole transaction in one worker thread with its own connection (one thread
+        hop per batch, not one per statement); PostgreSQL runs it through the async connection.
+        """
+        if self._sqlite is not None:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._sqlite_thread, self._sqlite_transaction, batch, isolate)
+        conn = await self._connection()
+        return await conn.run_sync(self._statements, batch, isolate)
+
+    def _sqlite_transaction(self, batch: list[Write], isolate: bool) -> dict[int, Exception]:
+        assert self._sqlite is not None
+        with self._sqlite.connect() as conn:
+            return self._statements(conn, batch, isolate)
+
+    def _statements(self, conn: Connection, batch: list[Write], isolate: bool) -> dict[int, Exception]:
+        """One transaction for the batch (synchronous). Returns the writes refused, with why.
 
         Fenced writes and idempotency claims are checked row by row first; everything else goes
         in a few multi-row statements. With ``isolate``, each write gets its own savepoint.
+        The chain state is adopted only once the transaction has committed.
         """
-        conn = await self._connection()
         chain = [self._writer_seq, self._prev_hash]
+        generation = self._generation  # a timed-out batch that commits late must not move the chain
         refused: dict[int, Exception] = {}
-        async with conn.begin():
+        outer = None if conn.in_transaction() else conn.begin()
+        try:
             kept: list[Write] = []
             for w in batch:
-                if w.fence is not None and not await self._holds(conn, w.fence):
+                if w.fence is not None and not _holds(conn, w.fence):
                     refused[id(w)] = LeaseLost(w.fence.invocation_id)
-                elif w.claim and not await self._claim(conn, w):
+                elif w.claim and not _claim(conn, w):
                     refused[id(w)] = IdempotencyConflict(w.insert_invocation["invocation_id"])  # type: ignore[index]
                 else:
                     kept.append(w)
@@ -490,54 +553,59 @@ class Journal:
                 for w in kept:
                     saved = list(chain)
                     try:
-                        async with conn.begin_nested():
-                            await self._insert(conn, [w], chain)
+                        with conn.begin_nested():
+                            self._insert(conn, [w], chain)
                     except IntegrityError as exc:
                         chain[:] = saved
                         refused[id(w)] = LeaseLost(f"conflicting write: {_brief(exc)}")
             else:
-                await self._insert(conn, kept, chain)
+                self._insert(conn, kept, chain)
             mark = self._checkpoint(chain)
             if mark is not None:
-                await conn.execute(insert(chain_checkpoints), [mark])
-        self._writer_seq, self._prev_hash = chain
-        self._checkpointed(mark)
+                conn.execute(insert(chain_checkpoints), [mark])
+            if outer is not None:
+                outer.commit()
+        except BaseException:
+            if outer is not None:
+                outer.rollback()
+            raise
+        if generation == self._generation:
+            self._writer_seq, self._prev_hash = chain
+            self._checkpointed(mark)
         return refused
 
-    async def _insert(self, conn: AsyncConnection, writes: list[Write], chain: list[Any]) -> None:
-        """The rows of ``writes`` as plain statements (SQLite, large results, isolated retries)."""
+    def _insert(self, conn: Connection, writes: list[Write], chain: list[Any]) -> None:
+        """The rows of ``writes`` as plain statements."""
         event_rows = self._chain_rows(writes, chain)
         inserts = [w.insert_invocation for w in writes if w.insert_invocation and not w.claim]
         updates = [w.update_invocation for w in writes if w.update_invocation]
         stored = [w.result for w in writes if w.result]
         if inserts:
-            await conn.execute(insert(invocations), inserts)
+            conn.execute(insert(invocations), inserts)
         if event_rows:
-            await conn.execute(insert(events), event_rows)
+            conn.execute(insert(events), event_rows)
         if updates:
-            await conn.execute(_update_projection, updates)
+            conn.execute(_update_projection, updates)
         if stored:
-            await conn.execute(insert(results), stored)
+            conn.execute(insert(results), stored)
 
-    @staticmethod
-    async def _claim(conn: AsyncConnection, w: Write) -> bool:
-        """Insert a keyed invocation unless (agent, scope, key) is taken; True if it was inserted."""
-        dialect = conn.dialect.name
-        statement = (pg_insert if dialect == "postgresql" else sqlite_insert)(invocations).values(w.insert_invocation)
-        statement = statement.on_conflict_do_nothing(
-            index_elements=["agent", "idempotency_scope", "idempotency_key"]
-        ).returning(invocations.c.invocation_id)
-        return (await conn.execute(statement)).first() is not None
 
-    @staticmethod
-    async def _holds(conn: AsyncConnection, fence: Fence) -> bool:
-        """The fencing check, in the same transaction as the rows it guards."""
-        c = invocations.c
-        condition = and_(c.invocation_id == fence.invocation_id, c.generation == fence.generation, c.owner == fence.owner)
-        if fence.check_expiry:
-            condition = and_(condition, c.lease_expires_at > fence.now)
-        result = await conn.execute(update(invocations).where(condition).values(updated_at=fence.now))
-        return result.rowcount == 1
+def _claim(conn: Connection, w: Write) -> bool:
+    """Insert a keyed invocation unless (agent, scope, key) is taken; True if it was inserted."""
+    statement = (pg_insert if conn.dialect.name == "postgresql" else sqlite_insert)(invocations).values(w.insert_invocation)
+    statement = statement.on_conflict_do_nothing(
+        index_elements=["agent", "idempotency_scope", "idempotency_key"]
+    ).returning(invocations.c.invocation_id)
+    return conn.execute(statement).first() is not None
+
+
+def _holds(conn: Connection, fence: Fence) -> bool:
+    """The fencing check, in the same transaction as the rows it guards."""
+    c = invocations.c
+    condition = and_(c.invocation_id == fence.invocation_id, c.generation == fence.generation, c.owner == fence.owner)
+    if fence.check_expiry:
+        condition = and_(condition, c.lease_expires_at > fence.now)
+    return conn.execute(update(invocations).where(condition).values(updated_at=fence.now)).rowcount == 1
 
 
 #: Results larger than this (in total per batch) go through plain statements, not inline JSON.
@@ -546,6 +614,7 @@ _BATCH_CALL = "SELECT affidavit_write($1::jsonb)"
 
 
 def _json_value(value: Any) -> Any:
+    """For orjson: bytes become PostgreSQL's hex bytea input (datetimes it encodes itself)."""
     if isinstance(value, datetime):
         return value.isoformat()
     if isinstance(value, (bytes, bytearray, memoryview)):
