@@ -55,7 +55,8 @@ def _reply_to_response(reply: Reply) -> http.Response:
 
 def _refusal(status: int, code: Code, message: str, extra_headers: list[tuple[str, str]] | None = None) -> http.Response:
     body = envelope(None, code, Phase.VALIDATION, Outcome.NOT_ATTEMPTED, Retry.AFTER_CORRECTION, message)
-    headers = [("Content-Type", MEDIA_TYPE), *should_retry(Retry.AFTER_CORRECTION), *(extra_headers or [])]
+    headers = [("Content-Type", MEDIA_TYPE), ("Affidavit-Code", code.value), ("Affidavit-Outcome", Outcome.NOT_ATTEMPTED.value),
+               *should_retry(Retry.AFTER_CORRECTION), *(extra_headers or [])]
     return _reply_to_response(Reply(status, headers, encode(body)))
 
 

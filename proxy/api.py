@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from . import VERSION, metrics
 from . import decisions
-from .broker import INVOCATION_HEADER, OUTCOME_HEADER, REPLAYED_HEADER, Broker, LookupUnavailable, note_replay
+from .broker import CODE_HEADER, INVOCATION_HEADER, OUTCOME_HEADER, REPLAYED_HEADER, Broker, LookupUnavailable, note_replay
 from .contract import project
 from .store.journal import Journal
 from .contract import Code, Outcome, Phase, Retry
@@ -157,7 +157,10 @@ def create_app(
                 _no_result_message(view["outcome"]),
                 {k: view["evidence"][k] for k in ("dispatch_started", "request_complete", "response_headers_received", "response_complete")},
             )
-            return JSONResponse(body, status_code=409, media_type=MEDIA_TYPE, headers={INVOCATION_HEADER: invocation_id})
+            retry = Retry(view["retry"]) if view["retry"] else Retry.BACKOFF
+            headers = {INVOCATION_HEADER: invocation_id, OUTCOME_HEADER: view["outcome"], CODE_HEADER: body["error"]["code"],
+                       "x-should-retry": "true" if retry is Retry.BACKOFF else "false"}
+            return JSONResponse(body, status_code=409, media_type=MEDIA_TYPE, headers=headers)
         _, events = await queries.events_of(engine, invocation_id, journal.decode_payload)
         await note_replay(journal, row, project(events), "side_api")
         headers = [(k, v) for k, v in stored["headers"] if k.lower() not in ("content-length", "transfer-encoding", "connection")]

@@ -10,6 +10,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 from typing import Callable
 
 import uvicorn
@@ -79,8 +80,8 @@ def env_lines(settings: Settings, agent: str | None = None, token: str | None = 
     """Shell exports for an agent. The token is printed only if given; otherwise the line reads
     it from the agent's configured source (``${VAR}`` or ``$(cat file)``), so no secret is ever
     written to a terminal or a log by this command."""
-    host, port = parse_listen(settings.proxy.listen)
-    name, secret = agent or "AGENT", token
+    host, port = _reachable(settings.proxy.listen)
+    name, secret = agent or "AGENT", quote(token, safe="") if token is not None else None
     if secret is None:
         configured = next((a for a in settings.agents if a.name == agent), None)
         if configured is None:
@@ -90,16 +91,26 @@ def env_lines(settings: Settings, agent: str | None = None, token: str | None = 
             secret = f"${{{ref}}}" if kind == "env" else f"$(cat {ref})" if kind == "file" else "TOKEN"
     proxy = f"http://{name}:{secret}@{host}:{port}"
     ca = ca_path(settings)
+    api_host, api_port = _reachable(settings.api.listen)
     return [
         f'export HTTPS_PROXY="{proxy}"',
         f'export HTTP_PROXY="{proxy}"',
+        # curl reads only the lower-case http_proxy for http:// URLs; others read either.
+        f'export https_proxy="{proxy}"',
+        f'export http_proxy="{proxy}"',
         f'export SSL_CERT_FILE="{ca}"',
         f'export REQUESTS_CA_BUNDLE="{ca}"',
         f'export CURL_CA_BUNDLE="{ca}"',
         f'export NODE_EXTRA_CA_CERTS="{ca}"',
         "export NODE_USE_ENV_PROXY=1",
-        f'export AFFIDAVIT_API_URL="http://{settings.api.listen}"',
+        f'export AFFIDAVIT_API_URL="http://{api_host}:{api_port}"',
     ]
+
+
+def _reachable(listen: str) -> tuple[str, int]:
+    """Where a local agent reaches a listen address (a wildcard means this host)."""
+    host, port = parse_listen(listen)
+    return ("127.0.0.1" if host in ("0.0.0.0", "::", "") else host), port
 
 
 @dataclass
@@ -118,6 +129,7 @@ async def serve(
     *,
     announce: Callable[[str], None] = print,
 ) -> None:
+    api_socket = listen_socket(settings.api.listen, "api.listen")
     # Unique among live brokers: a host name and the port this process holds (two processes
     # cannot hold one port, so a restarted broker knows its earlier incarnations are dead).
     instance = settings.recovery.instance or f"{socket.gethostname()}:{parse_listen(settings.proxy.listen)[1]}"
@@ -163,8 +175,6 @@ async def serve(
     api = uvicorn.Server(
         uvicorn.Config(
             create_app(engine, tokens, operator, journal, broker),
-            host=api_host,
-            port=api_port,
             log_config=None,
             access_log=False,
             lifespan="off",
@@ -182,7 +192,7 @@ async def serve(
         except NotImplementedError:  # pragma: no cover - non-Unix
             pass
 
-    api_task = asyncio.create_task(api.serve(), name="side api")
+    api_task = asyncio.create_task(api.serve(sockets=[api_socket]), name="side api")
     master_task = asyncio.create_task(master.run(), name="mitmproxy")
     try:
         ready_wait = asyncio.create_task(ready.wait())
@@ -191,12 +201,15 @@ async def serve(
             ready_wait.cancel()
             for task in done:
                 task.result()
-            raise RuntimeError("the proxy stopped during start-up")
+            raise StartupError("the proxy stopped during start-up; see the log above")
+        for server in master.addons.get("proxyserver").servers:
+            if not server.is_running or server.last_exception is not None:
+                reason = str(server.last_exception or "not listening").splitlines()[0]
+                raise StartupError(f"proxy.listen {settings.proxy.listen}: {reason}")
         while not api.started and not api_task.done():
             await asyncio.sleep(0.01)
         if api_task.done():
-            api_task.result()
-            raise RuntimeError(f"the side API could not listen on {settings.api.listen}")
+            raise StartupError(f"the side API stopped during start-up on {settings.api.listen}; see the log above")
         # The proxy port is ours now, so earlier incarnations of this instance are dead: their
         # in-flight records can be closed at once.
         await recovery.start()
@@ -214,6 +227,25 @@ async def serve(
         await journal.close()
         await upstream.close()
         await engine.dispose()
+
+
+class StartupError(Exception):
+    """The broker cannot serve (a port is taken...); the message says which setting and why."""
+
+
+def listen_socket(listen: str, key: str) -> socket.socket:
+    """Bind ``listen`` now, so a taken port stops the start with a clear message."""
+    host, port = parse_listen(listen)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"{key} {listen}: {exc.strerror or exc} (is another broker running?)") from None
+    sock.setblocking(False)
+    return sock
 
 
 def _tune_gc() -> None:
@@ -256,7 +288,7 @@ def run(settings: Settings) -> int:
         asyncio.run(serve(settings, tokens, operator, ring, announce=lambda text: print(text, flush=True)))
     except KeyboardInterrupt:
         pass
-    except OSError as exc:
+    except (StartupError, OSError) as exc:
         print(f"affidavit: cannot start: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -25,7 +25,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from email.utils import parsedate_to_datetime
 from urllib.parse import quote, urlsplit
 from typing import Any, Callable
@@ -57,10 +57,11 @@ from .credentials import (
 )
 from .envelope import MEDIA_TYPE, encode, envelope, status_for
 from .fingerprint import approval_fingerprint, body_sha256, config_digest, fingerprint, normalized_target
-from .invocation_log import Identity, InvocationLog, new_invocation_id, utcnow
+from .invocation_log import Identity, InvocationLog, aware as _aware, identity_of, new_invocation_id, utcnow
 from .routing import Refusal, match_route
 from .failpoints import failpoint
 from .invocation_view import operation_of, retention_open
+from .recovery import closing_events
 from .store import leases, queries
 from .store.journal import IdempotencyConflict, Journal, JournalUnavailable, LeaseLost
 from ulid import ULID
@@ -517,6 +518,7 @@ class Broker:
                     row, None, Code.IDEMPOTENCY_MISMATCH,
                     f"The key {key!r} belongs to invocation {row['invocation_id']}, which has a different request "
                     "fingerprint. Nothing was sent. Use a new key for a new operation, or repeat the original request exactly.",
+                    request_fingerprint,
                 )
             now = utcnow()
             operation = operation_of(row)
@@ -566,6 +568,7 @@ class Broker:
                 row, None, Code.APPROVAL_STALE,
                 f"The key {key!r} belongs to invocation {row['invocation_id']}, held for an approval of a different "
                 "request; the approval authorises nothing new. Nothing was sent.",
+                request_fingerprint,
             )
         holder_alive = await leases.owner_alive(self.journal.engine, row["owner"], self.settings.recovery.stale_after)
         now = utcnow()
@@ -604,6 +607,12 @@ class Broker:
     async def _replay(self, row: dict[str, Any], record: Record) -> Reply:
         """Serve the recorded result again; the upstream is not contacted."""
         stored = await queries.stored_result(self.journal.engine, row["invocation_id"], self.journal.decode_result)
+        if stored is None and record.reconciled_outcome is not None:
+            return self._repeat_envelope(
+                row, record, Code.RESULT_UNAVAILABLE,
+                f"Invocation {row['invocation_id']} was reconciled as {record.reconciled_outcome.value}; there is no "
+                "recorded response to replay. Nothing was sent; GET /v1/invocations/{id} has the reconciliation.",
+            )
         if stored is None:
             return self._repeat_envelope(
                 row, record, Code.RESULT_STORE_FAILED,
@@ -622,10 +631,15 @@ class Broker:
             headers.append((IDEMPOTENCY_KEY_HEADER, row["idempotency_key"]))
         return Reply(stored["status"], headers, bytes(stored["body"]), row["invocation_id"])
 
-    def _repeat_envelope(self, row: dict[str, Any], record: Record | None, code: Code, message: str) -> Reply:
+    def _repeat_envelope(
+        self, row: dict[str, Any], record: Record | None, code: Code, message: str, request_fingerprint: str | None = None
+    ) -> Reply:
+        """An answer about a repeat of a keyed operation. ``record`` None: this request itself was
+        refused before anything (its own fingerprint given, next to the one the key is bound to)."""
         identity = identity_of(row)
         if record is None:  # this request itself was not attempted
-            phase, outcome, retry = Phase.VALIDATION, Outcome.NOT_ATTEMPTED, Retry.AFTER_CORRECTION
+            phase, outcome = Phase.VALIDATION, Outcome.NOT_ATTEMPTED
+            retry = Retry.BACKOFF if code is Code.IDEMPOTENCY_IN_PROGRESS else Retry.AFTER_CORRECTION
         else:
             phase = Phase.VALIDATION
             outcome = record.outcome
@@ -634,7 +648,11 @@ class Broker:
                 retry = Retry.BACKOFF
             elif code is Code.RETRY_BUDGET_EXHAUSTED:
                 retry = Retry.RECONCILE if outcome is Outcome.UNKNOWN else Retry.AFTER_CORRECTION
-        body = envelope(row["invocation_id"], code, phase, outcome, retry, message, evidence_from(record, identity))
+        evidence = evidence_from(record, identity)
+        if request_fingerprint is not None:
+            evidence["fingerprint"] = request_fingerprint
+            evidence.setdefault("idempotency", {})["bound_fingerprint"] = identity.fingerprint
+        body = envelope(row["invocation_id"], code, phase, outcome, retry, message, evidence)
         headers = [
             ("Content-Type", MEDIA_TYPE),
             (INVOCATION_HEADER, row["invocation_id"]),
@@ -745,8 +763,9 @@ class Broker:
                 return await self._refuse(
                     entry, Phase.VALIDATION, Code.APPROVAL_REQUIRED,
                     f"Route '{route.name}' needs an operator's approval and none came within "
-                    f"{route.approval_timeout:g} s. Nothing was sent. Ask an operator to approve it "
-                    "(GET /v1/approvals), then repeat the request.",
+                    f"{route.approval_timeout:g} s. Nothing was sent, and the request no longer waits. "
+                    "Repeat it (with the same Idempotency-Key) to hold it again, and have an operator "
+                    "approve it while it waits (GET /v1/approvals).",
                 )
             await req.caller_gone.wait(0.25)
 
@@ -885,6 +904,9 @@ class Broker:
             self._spawn(self._repair(entry, settled.response.status, handed))
             return reply
         if settled.refused is not None and settled.refused.code is Code.JOURNAL_UNAVAILABLE:
+            # Part of this record may be durable (a keyed claim, or an ambiguous DISPATCH_STARTED):
+            # close it once the journal takes writes again, so repeats do not see it in flight.
+            self._spawn(self._close_when_journal_returns(entry.invocation_id))
             return self._journal_unavailable()
         if settled.refused is not None and settled.refused.code is Code.LEASE_LOST:
             return self._lease_lost(entry)
@@ -898,6 +920,33 @@ class Broker:
         code = record.code or Code.REMOTE_OUTCOME_UNKNOWN
         retry = retry_hint(record, entry.identity.operation) or Retry.BACKOFF
         return self._envelope_reply(entry, code, record.phase, record.outcome, retry, _message(code, record.outcome))
+
+    async def _close_when_journal_returns(self, invocation_id: str) -> None:
+        """End, by appending, a record whose dispatch write the journal refused; this broker sent
+        nothing. If DISPATCH_STARTED did land (an ambiguous commit), the record says unknown."""
+        deadline = time.monotonic() + self.settings.upstream.result_horizon
+        while time.monotonic() < deadline:
+            await asyncio.sleep(1.0)
+            try:
+                row = await queries.invocation(self.journal.engine, invocation_id)
+                if row is None:
+                    return  # nothing of it was ever durable
+                _, events = await queries.events_of(self.journal.engine, invocation_id, self.journal.decode_payload)
+                record = project(events)
+                if record.ended or record.stage is Stage.HELD:
+                    return
+                entry = InvocationLog(self.journal, identity_of(row), self.owner, record=record, persisted=True,
+                                      generation=row["generation"])
+                entry.credential = (row["credential_id"], row["credential_version"], row["injection"])
+                for kind, data in closing_events(record, cause="journal unavailable at the dispatch write",
+                                                 code=Code.JOURNAL_UNAVAILABLE, answered=True):
+                    entry.append(kind, **data)
+                await entry.commit()
+                return
+            except (JournalUnavailable, LeaseLost):
+                continue
+            except Exception as exc:  # the database is still away; try again
+                log.debug("closing %s later: %s", invocation_id, exc)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -990,18 +1039,19 @@ class Broker:
         Nothing can be written to the record by this broker (the fence refuses it), and nothing
         was sent; what is known about the effect is what the record said before this attempt.
         """
+        outcome = Outcome.UNKNOWN if entry.record.dispatch_started else Outcome.NOT_ATTEMPTED
         body = envelope(
             entry.invocation_id,
             Code.LEASE_LOST,
             Phase.VALIDATION,
-            Outcome.UNKNOWN if entry.record.dispatch_count > 1 or entry.record.dispatch_started else Outcome.NOT_ATTEMPTED,
+            outcome,
             Retry.BACKOFF,
             "This broker's lease on the invocation ran out before it could dispatch, so it sent nothing; "
             "another attempt may be running elsewhere. Ask GET /v1/invocations/{id} before trying again.",
             {"dispatch_started": False},
         )
         headers = [("Content-Type", MEDIA_TYPE), (INVOCATION_HEADER, entry.invocation_id), (CODE_HEADER, Code.LEASE_LOST.value),
-                   *should_retry(Retry.BACKOFF)]
+                   (OUTCOME_HEADER, outcome.value), *should_retry(Retry.BACKOFF)]
         return Reply(status_for(Code.LEASE_LOST), headers, encode(body), entry.invocation_id)
 
     def _journal_unavailable(self) -> Reply:
@@ -1015,7 +1065,9 @@ class Broker:
             "record). No invocation was recorded. Retry after a delay; operators: check the database.",
             {"dispatch_started": False},
         )
-        return Reply(503, [("Content-Type", MEDIA_TYPE), ("Retry-After", "1"), *should_retry(Retry.BACKOFF)], encode(body), None)
+        headers = [("Content-Type", MEDIA_TYPE), ("Retry-After", "1"), (CODE_HEADER, Code.JOURNAL_UNAVAILABLE.value),
+                   (OUTCOME_HEADER, Outcome.NOT_ATTEMPTED.value), *should_retry(Retry.BACKOFF)]
+        return Reply(503, headers, encode(body), None)
 
     def _envelope_reply(
         self,
@@ -1118,29 +1170,6 @@ def evidence_from(record: Record | None, identity: Identity, *, timed_out: bool 
             "remote_contract": "configured" if identity.remote_contract else "none",
         }
     return evidence
-
-
-def identity_of(row: dict[str, Any]) -> Identity:
-    """The stored identity of an invocation (as accepted; later config changes do not alter it)."""
-    return Identity(
-        invocation_id=row["invocation_id"],
-        agent=row["agent"],
-        route=row["route"],
-        method=row["method"],
-        target=row["target"],
-        fingerprint=row["fingerprint"],
-        idempotent=bool(row["idempotent"]),
-        remote_contract=bool(row["remote_contract"]),
-        idempotency_key=row["idempotency_key"],
-        idempotency_scope=row["idempotency_scope"],
-        idempotency_expires_at=_aware(row["idempotency_expires_at"]) if row["idempotency_expires_at"] else None,
-        retry_budget=row["retry_budget"],
-    )
-
-
-def _aware(value: datetime) -> datetime:
-    """SQLite hands timestamps back without a zone; they were written in UTC."""
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
 def _retry_after_elapsed(event_rows: list[dict[str, Any]], record: Record, now: datetime) -> bool:

@@ -104,7 +104,12 @@ def db_upgrade(config: ConfigOption = None) -> None:
     from .store import migrate
 
     settings = _settings(config)
-    migrate.upgrade(settings.database.url)
+    try:
+        migrate.upgrade(settings.database.url)
+    except Exception as exc:
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        typer.echo(f"affidavit: could not upgrade {redact_url(settings.database.url)}: {reason}", err=True)
+        raise typer.Exit(1) from None
     typer.echo(f"affidavit: {redact_url(settings.database.url)} is at revision {migrate.head()}")
 
 

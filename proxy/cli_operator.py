@@ -71,6 +71,13 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
         raise typer.Exit(1) from None
 
 
+def _window(since: str) -> float:
+    try:
+        return parse_duration(since)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--since") from None
+
+
 @invocations_app.callback()
 def _invocations() -> None:
     """Recorded invocations, straight from the journal."""
@@ -89,7 +96,7 @@ def invocations_list(
 ) -> None:
     """The newest invocations, filtered."""
     settings = settings_or_exit(config)
-    since_at = datetime.now(UTC) - timedelta(seconds=parse_duration(since))
+    since_at = datetime.now(UTC) - timedelta(seconds=_window(since))
     rows = with_engine(
         settings,
         lambda engine: queries.list_invocations(
@@ -162,7 +169,7 @@ def metrics(
 ) -> None:
     """The phase x outcome table for a time window, from the invocation_outcomes view."""
     settings = settings_or_exit(config)
-    since_at = (datetime.now(UTC) - timedelta(seconds=parse_duration(since))).replace(minute=0, second=0, microsecond=0)
+    since_at = (datetime.now(UTC) - timedelta(seconds=_window(since))).replace(minute=0, second=0, microsecond=0)
 
     async def read(engine: Any) -> list[Any]:
         where = "WHERE bucket >= :since" + (" AND route = :route" if route else "")
@@ -274,7 +281,8 @@ def approvals_list(
 def _decide(config: Path | None, invocation_id: str, decision: str, note: str | None) -> None:
     settings = settings_or_exit(config)
     record = call_api(settings, "POST", f"/v1/approvals/{invocation_id}", {"decision": decision, "note": note})
-    typer.echo(f"{invocation_id}: {decision}d (stage {record['stage']}, outcome {record['outcome']})")
+    done = {"approve": "approved", "deny": "denied"}[decision]
+    typer.echo(f"{invocation_id}: {done} (stage {record['stage']}, outcome {record['outcome']})")
 
 
 @approvals_app.command("approve")

@@ -290,6 +290,8 @@ class Route(_Section):
     def _credential_needs_injection(self) -> "Route":
         if (self.credential is None) != (self.inject is None):
             raise ValueError("'credential' and 'inject' go together")
+        if self.connect_to is not None and self.host.startswith("*."):
+            raise ValueError("'connect_to' needs an exact host, not a '*.suffix' pattern")
         return self
 
     @property

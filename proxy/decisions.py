@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .broker import identity_of
 from .contract import EventKind, IllegalTransition, Outcome, Record, Stage, project
-from .invocation_log import InvocationLog
+from .invocation_log import InvocationLog, identity_of
 from .store import queries
 from .store.journal import Journal, LeaseLost
 

@@ -57,6 +57,29 @@ class Identity:
         return self.idempotency_expires_at is None or now < self.idempotency_expires_at
 
 
+def identity_of(row: dict[str, Any]) -> Identity:
+    """The stored identity of an invocation (as accepted; later config changes do not alter it)."""
+    return Identity(
+        invocation_id=row["invocation_id"],
+        agent=row["agent"],
+        route=row["route"],
+        method=row["method"],
+        target=row["target"],
+        fingerprint=row["fingerprint"],
+        idempotent=bool(row["idempotent"]),
+        remote_contract=bool(row["remote_contract"]),
+        idempotency_key=row["idempotency_key"],
+        idempotency_scope=row["idempotency_scope"],
+        idempotency_expires_at=aware(row["idempotency_expires_at"]) if row["idempotency_expires_at"] else None,
+        retry_budget=row["retry_budget"],
+    )
+
+
+def aware(value: datetime) -> datetime:
+    """SQLite hands timestamps back without a zone; they were written in UTC."""
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
 class InvocationLog:
     def __init__(
         self,

@@ -31,9 +31,8 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from . import metrics
-from .broker import identity_of
 from .contract import CallerDisposition, Code, EventKind, Phase, Record, Stage, project
-from .invocation_log import InvocationLog, utcnow
+from .invocation_log import InvocationLog, identity_of, utcnow
 from .store import queries
 from .store.journal import Journal
 from .store.schema import brokers, invocations
@@ -54,27 +53,33 @@ IN_FLIGHT = (
 )
 
 
-def closing_events(record: Record) -> list[tuple[EventKind, dict[str, Any]]]:
-    """What recovery appends to a record its owner left in flight (pure; see module docstring)."""
+def closing_events(
+    record: Record, *, cause: str = "broker restart", code: Code = Code.BROKER_RESTARTED, answered: bool = False
+) -> list[tuple[EventKind, dict[str, Any]]]:
+    """What recovery appends to a record its owner left in flight (pure; see module docstring).
+
+    ``cause``/``code`` say why it was left (a restart, or a journal write that failed at the
+    dispatch boundary); ``answered``: the caller did get an envelope.
+    """
     events: list[tuple[EventKind, dict[str, Any]]] = []
-    if record.caller_disposition is CallerDisposition.WAITING:
-        events.append((EventKind.CALLER_CANCELLED, {"disposition": "disconnected", "basis": "broker restart"}))
+    if record.caller_disposition is CallerDisposition.WAITING and not answered:
+        events.append((EventKind.CALLER_CANCELLED, {"disposition": "disconnected", "basis": cause}))
     if record.stage is Stage.COMMITTED:
-        events.append((EventKind.FAILED, {"phase": Phase.RESULT_DELIVERY, "code": Code.BROKER_RESTARTED,
-                                          "basis": "broker restart before delivery"}))
+        events.append((EventKind.FAILED, {"phase": Phase.RESULT_DELIVERY, "code": code,
+                                          "basis": f"{cause} before delivery"}))
     elif record.stage is Stage.RESPONSE_COMPLETE:
         events.append((EventKind.FAILED, {"phase": Phase.RESULT_DELIVERY, "code": Code.RESULT_STORE_FAILED,
-                                          "basis": "broker restart before the result was stored",
+                                          "basis": f"{cause} before the result was stored",
                                           "operator_attention": True}))
     elif record.stage in (Stage.DISPATCHED, Stage.SENT, Stage.RESPONDING):
         events.append((EventKind.FAILED, {"phase": Phase.REMOTE_EXECUTION, "code": Code.REMOTE_OUTCOME_UNKNOWN,
-                                          "basis": "broker restart after dispatch"}))
+                                          "basis": f"{cause} after dispatch"}))
     else:
         phase = record.phase
         if any(a.stage for a in record.attempts) and record.stage is Stage.AUTHORIZED:
             phase = Phase.CONNECTION_SETUP
-        events.append((EventKind.FAILED, {"phase": phase, "code": Code.BROKER_RESTARTED,
-                                          "basis": "broker restart before dispatch"}))
+        events.append((EventKind.FAILED, {"phase": phase, "code": code, "answered": answered or None,
+                                          "basis": f"{cause} before dispatch"}))
     return events
 
 

@@ -78,6 +78,7 @@ def test_the_environment_overrides_the_file(tmp_path, monkeypatch):
         (('listen = "127.0.0.1:{port}"', 'listen = "localhost"'), "proxy.listen", "host:port"),
         (('value = "Bearer {{secret}}"', 'value = "Bearer"'), "routes[0].inject", "must contain '{secret}'"),
         (('[[routes]]', '[[routes]]\nbogus = 1'), "routes[0].bogus", "Extra inputs are not permitted"),
+        (('host = "api.payments.test"', 'host = "*.payments.test"\nconnect_to = "127.0.0.1:9"'), "routes[0]", "needs an exact host"),
     ],
 )
 def test_a_bad_value_names_file_key_and_reason(tmp_path, mutation, key, reason):
@@ -126,3 +127,50 @@ def test_affidavit_run_refuses_a_missing_token(tmp_path):
     done = subprocess.run([AFFIDAVIT, "run", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
     assert done.returncode == 2
     assert "agents[0].token: environment variable BUILDER_TOKEN is not set" in done.stderr
+
+
+@pytest.mark.parametrize("taken", ["proxy", "api"])
+def test_affidavit_run_on_a_taken_port_says_which_and_exits(tmp_path, taken):
+    port, api_port = free_port(), free_port()
+    path = write(tmp_path, GOOD.format(port=port, api_port=api_port, db=tmp_path / "j.db"))
+    env = {"PATH": "/usr/bin:/bin", "BUILDER_TOKEN": "t" * 24, "PAYMENTS_KEY": "x", "HOME": str(tmp_path)}
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port if taken == "proxy" else api_port))
+    holder.listen(1)
+    try:
+        done = subprocess.run([AFFIDAVIT, "run", "--config", str(path)], capture_output=True, text=True,
+                              timeout=90, cwd=tmp_path, env=env)
+    finally:
+        holder.close()
+    assert done.returncode == 1, done.stderr
+    key = f"{taken}.listen 127.0.0.1:{port if taken == 'proxy' else api_port}"
+    assert f"affidavit: cannot start: {key}" in done.stderr, done.stderr
+    other = api_port if taken == "proxy" else port
+    assert not _listening(other), "nothing may stay bound after a failed start"
+
+
+@pytest.mark.parametrize("command", [["invocations", "list"], ["metrics"]])
+def test_a_bad_since_window_is_a_usage_error_not_a_traceback(tmp_path, command):
+    path = write(tmp_path, good(tmp_path))
+    done = subprocess.run([AFFIDAVIT, *command, "--config", str(path), "--since", "yesterday"], capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert done.returncode == 2, done.stderr
+    assert "--since" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_env_lines_cover_both_spellings_encode_the_token_and_name_a_reachable_host(tmp_path, monkeypatch):
+    from urllib.parse import unquote, urlsplit
+
+    from proxy.app import env_lines
+
+    monkeypatch.setenv("BUILDER_TOKEN", "unused")
+    monkeypatch.setenv("PAYMENTS_KEY", "unused")
+    text = good(tmp_path).replace('listen = "127.0.0.1:', 'listen = "0.0.0.0:')
+    settings = load_settings(write(tmp_path, text))
+    token = "p@ss:w/rd%?#"
+    lines = dict(line.removeprefix("export ").split("=", 1) for line in env_lines(settings, "builder", token))
+    for name in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
+        url = urlsplit(lines[name].strip('"'))
+        assert (url.hostname, url.port) == ("127.0.0.1", int(settings.proxy.listen.rsplit(":", 1)[1]))
+        assert url.username == "builder" and unquote(url.password) == token, name
+    assert urlsplit(lines["AFFIDAVIT_API_URL"].strip('"')).hostname == "127.0.0.1"

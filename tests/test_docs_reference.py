@@ -4,6 +4,7 @@ schema, the closed enums), so a new key, command, path or code without docs fail
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tomllib
@@ -345,3 +346,24 @@ def test_the_readme_links_every_doc_page():
         assert f"(docs/{page.name})" in readme, f"README.md does not link docs/{page.name}"
     table = readme[readme.index("| page | what |") :]
     assert re.search(r"^\| \[docs/quickstart\.md\]", table.split("\n", 2)[2], re.M), "README: the quickstart is not first"
+
+
+# -- envelope.schema.json: its closed enums are the contract's ------------------------------------
+
+
+def test_the_envelope_schema_enums_are_the_contracts():
+    from proxy.contract import Outcome, Phase, Retry
+
+    schema = json.loads((DOCS / "envelope.schema.json").read_text())
+    error = schema["properties"]["error"]["properties"]
+    attempt_codes = schema["properties"]["evidence"]["properties"]["attempts"]["items"]["properties"]["code"]["enum"]
+    for name, listed, members in (
+        ("error.code", error["code"]["enum"], Code),
+        ("evidence.attempts[].code", attempt_codes, Code),
+        ("error.phase", error["phase"]["enum"], Phase),
+        ("error.outcome", error["outcome"]["enum"], Outcome),
+        ("error.retry", error["retry"]["enum"], Retry),
+    ):
+        assert sorted(listed) == sorted(m.value for m in members), (
+            f"docs/envelope.schema.json {name} is out of step with proxy/contract.py"
+        )

@@ -7,9 +7,7 @@ client got (envelope or response), and what the upstream actually received and a
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx

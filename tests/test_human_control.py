@@ -82,6 +82,24 @@ def test_reconciling_an_unknown_payment_keeps_the_timed_out_disposition(broker, 
     assert len(sent(upstream)) == 1
 
 
+def test_a_repeat_of_a_reconciled_invocation_says_there_is_nothing_to_replay(broker, upstream):
+    key = f"rec-{secrets.token_hex(4)}"
+    with broker.client() as client:
+        first = check_envelope(client.post(PAY + "/h/hang", content=b'{"amount":7}', headers={"Idempotency-Key": key}).content)
+    invocation_id = first["invocation_id"]
+    broker.wait_for(invocation_id, lambda r: r["stage"] == "ended_unknown")
+    cli(broker, "reconcile", invocation_id, "--outcome", "committed", "--note", "seen at the PSP")
+    before = len(sent(upstream))
+    with broker.client() as client:
+        again = client.post(PAY + "/h/hang", content=b'{"amount":7}', headers={"Idempotency-Key": key})
+    body = check_envelope(again.content)
+    assert again.status_code == 409
+    assert (body["error"]["code"], body["error"]["outcome"], body["error"]["retry"]) == ("RESULT_UNAVAILABLE", "committed", "never")
+    assert body["invocation_id"] == invocation_id and "reconciled as committed" in body["error"]["message"]
+    assert again.headers["affidavit-code"] == "RESULT_UNAVAILABLE" and again.headers["affidavit-outcome"] == "committed"
+    assert len(sent(upstream)) == before, "a reconciled invocation is never re-sent"
+
+
 def test_a_reconciliation_cannot_claim_not_attempted_or_touch_an_undispatched_record(broker, upstream):
     with broker.client() as client:
         unknown = check_envelope(client.post(PAY + "/h/close_after_effect", content=b"{}").content)["invocation_id"]
