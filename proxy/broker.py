@@ -738,7 +738,7 @@ class Broker:
             try:
                 await entry.commit()
             except JournalUnavailable:
-                return self._journal_unavailable()
+                return self._journal_unavailable(entry)
             except LeaseLost:
                 return self._lease_lost(entry)
         deadline = time.monotonic() + route.approval_timeout
@@ -904,10 +904,7 @@ class Broker:
             self._spawn(self._repair(entry, settled.response.status, handed))
             return reply
         if settled.refused is not None and settled.refused.code is Code.JOURNAL_UNAVAILABLE:
-            # Part of this record may be durable (a keyed claim, or an ambiguous DISPATCH_STARTED):
-            # close it once the journal takes writes again, so repeats do not see it in flight.
-            self._spawn(self._close_when_journal_returns(entry.invocation_id))
-            return self._journal_unavailable()
+            return self._journal_unavailable(entry)
         if settled.refused is not None and settled.refused.code is Code.LEASE_LOST:
             return self._lease_lost(entry)
         self._end(entry, settled, answered=True)
@@ -915,7 +912,7 @@ class Broker:
             await entry.commit()
         except JournalUnavailable:
             if not entry.record.dispatch_started:
-                return self._journal_unavailable()
+                return self._journal_unavailable(entry)
         record = entry.record
         code = record.code or Code.REMOTE_OUTCOME_UNKNOWN
         retry = retry_hint(record, entry.identity.operation) or Retry.BACKOFF
@@ -1029,7 +1026,7 @@ class Broker:
         try:
             await entry.commit()
         except JournalUnavailable:
-            return self._journal_unavailable()
+            return self._journal_unavailable(entry)
         retry = retry_hint(entry.record, entry.identity.operation) or Retry.AFTER_CORRECTION
         return self._envelope_reply(entry, code, phase, Outcome.NOT_ATTEMPTED, retry, message)
 
@@ -1054,20 +1051,27 @@ class Broker:
                    (OUTCOME_HEADER, outcome.value), *should_retry(Retry.BACKOFF)]
         return Reply(status_for(Code.LEASE_LOST), headers, encode(body), entry.invocation_id)
 
-    def _journal_unavailable(self) -> Reply:
-        body = envelope(
-            None,
-            Code.JOURNAL_UNAVAILABLE,
-            Phase.VALIDATION,
-            Outcome.NOT_ATTEMPTED,
-            Retry.BACKOFF,
-            "The broker cannot write its journal, so it sent nothing (it never forwards without a durable "
-            "record). No invocation was recorded. Retry after a delay; operators: check the database.",
-            {"dispatch_started": False},
-        )
+    def _journal_unavailable(self, entry: InvocationLog | None = None) -> Reply:
+        """Nothing was sent because the journal refused a write. ``entry``: the invocation, if
+        part of its record is already durable (a bound key): the answer names it, and the broker
+        ends that record once the journal takes writes again."""
+        invocation_id = entry.invocation_id if entry is not None and entry.durable else None
+        if entry is not None:  # even a failed commit may have landed: look once the journal answers
+            self._spawn(self._close_when_journal_returns(entry.invocation_id))
+        if invocation_id is None:
+            message = ("The broker cannot write its journal, so it sent nothing (it never forwards without a durable "
+                       "record). No invocation was recorded. Retry after a delay; operators: check the database.")
+        else:
+            message = (f"The broker cannot write its journal, so it sent nothing (it never forwards without a durable "
+                       f"record). Invocation {invocation_id} stays open until the database answers, then it is "
+                       "closed as not attempted. Retry after a delay with the same key; operators: check the database.")
+        body = envelope(invocation_id, Code.JOURNAL_UNAVAILABLE, Phase.VALIDATION, Outcome.NOT_ATTEMPTED, Retry.BACKOFF,
+                        message, {"dispatch_started": False})
         headers = [("Content-Type", MEDIA_TYPE), ("Retry-After", "1"), (CODE_HEADER, Code.JOURNAL_UNAVAILABLE.value),
                    (OUTCOME_HEADER, Outcome.NOT_ATTEMPTED.value), *should_retry(Retry.BACKOFF)]
-        return Reply(503, headers, encode(body), None)
+        if invocation_id is not None:
+            headers.append((INVOCATION_HEADER, invocation_id))
+        return Reply(503, headers, encode(body), invocation_id)
 
     def _envelope_reply(
         self,

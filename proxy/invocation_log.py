@@ -102,6 +102,8 @@ class InvocationLog:
         self.attempts_used = self.record.dispatch_count
         self._buffer: list[EventRow] = []
         self._persisted = persisted
+        #: Some of this record is known to be durable (a commit of it succeeded).
+        self.durable = persisted
         self._last: asyncio.Future[None] | None = None
         self._last_write: Write | None = None
         self._created_at = utcnow()
@@ -232,6 +234,7 @@ class InvocationLog:
     ) -> None:
         """Make everything appended so far durable; raises JournalUnavailable or LeaseLost."""
         await self.submit(result=result, fence=fence, claim=claim)
+        self.durable = True
 
     def _next_write(self, result: dict[str, Any] | None, fence: Fence | None, claim: bool, lazy: bool) -> Write:
         """The buffered events and the new projection, as one write after the previous one."""

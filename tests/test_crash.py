@@ -175,6 +175,31 @@ def test_an_unreachable_journal_fails_closed_and_the_broker_serves_again_when_it
     assert upstream.effects == 2, "nothing was forwarded while the journal was down"
 
 
+def record_by_key_when_back(broker: BrokerProcess, relay: TcpRelay, key: str) -> str:
+    relay.restore()
+    return record_by_key(broker, key)
+
+
+def test_a_keyed_record_refused_at_the_dispatch_write_is_closed_when_the_journal_returns(make_broker, upstream, relayed_pg):
+    url, relay = relayed_pg
+    broker = _start_on(make_broker, upstream, url, env={"AFFIDAVIT_FAILPOINTS": "during_tls=pause:1.5@1"})
+    key = f"jr-{time.monotonic_ns()}"
+    result: dict[str, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: result.setdefault("r", post(broker, SAFE + "/h/ok", key)))
+    thread.start()
+    time.sleep(0.7)  # PREFLIGHT_VALIDATED is durable (keyed); the broker pauses before DISPATCH_STARTED
+    relay.cut()
+    thread.join(20)
+    body = check_envelope(result["r"].content)
+    assert (result["r"].status_code, body["error"]["code"], body["error"]["outcome"]) == (503, "JOURNAL_UNAVAILABLE", "not_attempted")
+    assert body["invocation_id"] == record_by_key_when_back(broker, relay, key), "the bound key's record is named"
+    assert result["r"].headers["affidavit-invocation-id"] == body["invocation_id"]
+    record = broker.wait_for(body["invocation_id"], lambda r: r["retry"] is not None, timeout=20)
+    assert (record["outcome"], record["code"], record["retry"]) == ("not_attempted", "JOURNAL_UNAVAILABLE", "backoff"), record
+    assert record["caller_disposition"] != "waiting", record
+    assert upstream.effects == 0, "nothing is forwarded without a durable DISPATCH_STARTED"
+
+
 def test_a_read_only_database_fails_closed(make_broker, upstream, pg_admin_url):
     url, drop = fresh_database(pg_admin_url)
     try:
