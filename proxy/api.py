@@ -7,6 +7,8 @@ exactly like an id that does not exist (404), so ids cannot be probed.
 
 import asyncio
 import hmac
+import logging
+import sqlite3
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
@@ -14,17 +16,20 @@ from typing import Annotated, Any, Literal
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
+import asyncpg
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from . import VERSION, metrics
 from . import decisions
 from .broker import CODE_HEADER, INVOCATION_HEADER, OUTCOME_HEADER, REPLAYED_HEADER, Broker, LookupUnavailable, note_replay
-from .contract import project
 from .store.journal import Journal
-from .contract import Code, Outcome, Phase, Retry
+from .contract import Code, Outcome, Phase, Retry, Stage
 from .envelope import MEDIA_TYPE, envelope
 from .invocation_view import describe, iso
 from .store import queries
+from .store.reads import ResultReader
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +44,9 @@ class Principal:
 class ApiError(Exception):
     def __init__(self, status: int, title: str, detail: str, headers: dict[str, str] | None = None):
         self.status, self.title, self.detail, self.headers = status, title, detail, headers or {}
+
+
+log = logging.getLogger("affidavit.api")
 
 
 def _problem(status: int, title: str, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -73,6 +81,7 @@ def create_app(
     operator_token: str | None,
     journal: Journal,
     broker: Broker | None = None,
+    reader: ResultReader | None = None,
 ) -> FastAPI:
     app = FastAPI(
         title="Affidavit side API",
@@ -86,7 +95,17 @@ def create_app(
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
         return _problem(exc.status, exc.title, exc.detail, exc.headers)
 
-    def principal(request: Request) -> Principal:
+    async def _journal_away(_request: Request, exc: Exception) -> JSONResponse:
+        log.warning("side API: the journal did not answer: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return _problem(503, "Unavailable", "The journal (database) did not answer, so nothing can be read or "
+                        "changed right now; nothing was changed. Retry after a delay; operators: check the database.",
+                        {"Retry-After": "1"})
+
+    for kind in (DBAPIError, PoolTimeout, asyncpg.PostgresError, asyncpg.InterfaceError, sqlite3.Error, OSError,
+                 asyncio.TimeoutError):
+        app.add_exception_handler(kind, _journal_away)
+
+    async def principal(request: Request) -> Principal:  # async: no thread hop per request
         header = request.headers.get("authorization", "")
         scheme, _, credential = header.partition(" ")
         if scheme.lower() != "bearer" or not credential:
@@ -101,7 +120,7 @@ def create_app(
         raise ApiError(401, "Unauthorized", "The token is not valid for this broker.",
                        {"WWW-Authenticate": 'Bearer realm="affidavit", error="invalid_token"'})
 
-    def operator_only(who: Annotated[Principal, Depends(principal)]) -> Principal:
+    async def operator_only(who: Annotated[Principal, Depends(principal)]) -> Principal:
         if not who.operator:
             raise ApiError(403, "Forbidden", "This call needs the operator token.")
         return who
@@ -143,8 +162,14 @@ def create_app(
         responses={409: {"description": "No complete result exists; the body is the contract envelope"}},
     )
     async def get_result(invocation_id: str, who: Annotated[Principal, Depends(principal)]) -> Response:
-        row = await visible(invocation_id, who)
-        stored = await queries.stored_result(engine, invocation_id, journal.decode_result)
+        fast = await reader.fetch(invocation_id) if reader is not None else None
+        if fast is not None and fast["stage"] != Stage.DELIVERY_FAILED.value:
+            if not who.operator and fast["agent"] != who.agent:
+                raise ApiError(404, "Not Found", f"No invocation {invocation_id!r} is visible to this token.")
+            return await replayed(invocation_id, {**fast, "invocation_id": invocation_id}, fast)
+        row, stored = await queries.invocation_with_result(engine, invocation_id)
+        if row is None or (not who.operator and row["agent"] != who.agent):
+            raise ApiError(404, "Not Found", f"No invocation {invocation_id!r} is visible to this token.")
         if stored is None:
             _, events = await queries.events_of(engine, invocation_id, journal.decode_payload)
             view = describe(row, events)
@@ -161,12 +186,15 @@ def create_app(
             headers = {INVOCATION_HEADER: invocation_id, OUTCOME_HEADER: view["outcome"], CODE_HEADER: body["error"]["code"],
                        "x-should-retry": "true" if retry is Retry.BACKOFF else "false"}
             return JSONResponse(body, status_code=409, media_type=MEDIA_TYPE, headers=headers)
-        _, events = await queries.events_of(engine, invocation_id, journal.decode_payload)
-        await note_replay(journal, row, project(events), "side_api")
-        headers = [(k, v) for k, v in stored["headers"] if k.lower() not in ("content-length", "transfer-encoding", "connection")]
-        response = Response(content=bytes(stored["body"]), status_code=stored["status"])
-        for k, v in headers:
-            response.headers.append(k, v)
+        return await replayed(invocation_id, row, stored)
+
+    async def replayed(invocation_id: str, row: dict[str, Any], stored: dict[str, Any]) -> Response:
+        body, stored_headers = queries.open_result(invocation_id, stored, journal.decode_result)
+        await note_replay(journal, row, "side_api")
+        response = Response(content=body, status_code=stored["status"])
+        for k, v in stored_headers:
+            if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                response.headers.append(k, v)
         response.headers[INVOCATION_HEADER] = invocation_id
         response.headers[OUTCOME_HEADER] = row["outcome"]
         response.headers[REPLAYED_HEADER] = "true"

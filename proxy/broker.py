@@ -619,7 +619,7 @@ class Broker:
                 f"Invocation {row['invocation_id']} completed, but its result was not stored. Nothing was sent. "
                 "An operator must reconcile it; do not re-send.",
             )
-        self._spawn(note_replay(self.journal, row, record, "replay"))
+        self._spawn(note_replay(self.journal, row, "replay"))
         headers = [(k, v) for k, v in stored["headers"] if k.lower() not in HOP_BY_HOP]
         headers += [
             ("Content-Length", str(len(stored["body"]))),
@@ -1095,15 +1095,19 @@ class Broker:
         return Reply(status_for(code, timed_out=timed_out), headers, encode(body), entry.invocation_id)
 
 
-async def note_replay(journal: Journal, row: dict[str, Any], record: Record, channel: str) -> None:
+async def note_replay(journal: Journal, row: dict[str, Any], channel: str) -> None:
     """Count a served replay; if the original delivery had failed, this one is the delivery.
 
     The disposition of the original wait stays as it was. Both are courtesies: the replay itself
     already succeeded, so a failure here is logged, not raised.
     """
     metrics.REPLAYS.labels(channel).inc()
+    journal.replays.add(row["invocation_id"])
+    if row["stage"] != Stage.DELIVERY_FAILED.value:
+        return
     try:
-        await leases.count_replay(journal.engine, row["invocation_id"])
+        _, events = await queries.events_of(journal.engine, row["invocation_id"], journal.decode_payload)
+        record = project(events)
         if record.stage is Stage.DELIVERY_FAILED:
             entry = InvocationLog(journal, identity_of(row), row["owner"], record=record, persisted=True,
                                   generation=row["generation"])

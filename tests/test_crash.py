@@ -154,7 +154,11 @@ def test_an_unreachable_journal_fails_closed_and_the_broker_serves_again_when_it
     url, relay = relayed_pg
     broker = _start_on(make_broker, upstream, url)
     with broker.client() as client:
-        assert client.post(CRASH + "/h/ok", content=b"{}").status_code == 200
+        first = client.post(CRASH + "/h/ok", content=b"{}")
+        assert first.status_code == 200
+        first_id = first.headers["affidavit-invocation-id"]
+        with broker.api() as api:  # opens the side API's read connections before the cut
+            assert api.get(f"/v1/invocations/{first_id}/result").status_code == 200
         relay.cut()
         refused = client.post(CRASH + "/h/ok", content=b"{}")
         body = check_envelope(refused.content)
@@ -163,6 +167,11 @@ def test_an_unreachable_journal_fails_closed_and_the_broker_serves_again_when_it
             "JOURNAL_UNAVAILABLE", "validation", "not_attempted", "backoff")
         assert httpx.get(broker.api_url + "/readyz", timeout=10).status_code == 503
         assert httpx.get(broker.api_url + "/healthz", timeout=10).status_code == 200
+        with broker.api() as api:  # the side API says the journal is away, not a bare 500
+            for path in (f"/v1/invocations/{first_id}", f"/v1/invocations/{first_id}/result"):
+                away = api.get(path)
+                assert away.status_code == 503 and away.headers["retry-after"] == "1", (path, away.text)
+                assert "journal (database) did not answer" in away.json()["detail"]
         relay.restore()
         deadline = time.monotonic() + 15
         while True:

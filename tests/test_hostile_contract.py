@@ -314,7 +314,7 @@ def test_a_caller_that_gives_up_still_gets_a_late_result_fetched(broker, upstrea
     assert fetched.status_code == 200 and fetched.json()["path"] == "/h/slow?delay=1.5"
     assert upstream.effects == 1
     # Fetching it was the delivery: the hint moves on, the caller's disposition does not.
-    fetched_record = broker.wait_for(invocation_id, lambda r: r["stage"] == "delivered")
+    fetched_record = broker.wait_for(invocation_id, lambda r: r["stage"] == "delivered" and r["replays"] >= 1)
     assert fetched_record["retry"] == "never" and fetched_record["caller_disposition"] == "disconnected"
     assert fetched_record["replays"] == 1 and fetched_record["events"][-1]["data"]["channel"] == "side_api"
 

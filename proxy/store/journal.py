@@ -37,6 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from .. import metrics
 from ..failpoints import failpoint
 from ..crypto import KeyRing, payload_codec, payload_decoder, result_codec, result_decoder
+from .leases import ReplayTally
 from .schema import events, invocations, results
 from .vault_schema import chain_checkpoints, checkpoint_due, checkpoint_row
 
@@ -214,6 +215,8 @@ class Journal:
     ):
         self.engine = engine
         self.linger = linger
+        #: Replays served (a statistic, written in batches beside the journal).
+        self.replays = ReplayTally(engine)
         #: How payloads and results are stored (encrypted when the key ring has keys) and read back.
         self.ring = ring or KeyRing.empty()
         self.encode_payload = payload_codec(self.ring)
@@ -269,6 +272,10 @@ class Journal:
         self._task = asyncio.create_task(self._run(), name="affidavit journal writer")
 
     async def close(self) -> None:
+        try:
+            await self.replays.flush()
+        except Exception as exc:  # a statistic; never block a stop on it
+            log.info("replay counts not written at close: %s", exc)
         if self._task is not None:
             await self.flush()
             if self._writer_seq > self._checkpoint_seq:

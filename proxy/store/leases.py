@@ -6,15 +6,19 @@ bindings, generations, leases and budgets.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections import Counter
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, bindparam, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .schema import brokers, invocations
 
 c = invocations.c
+log = logging.getLogger("affidavit.journal")
 
 
 async def find_keyed(engine: AsyncEngine, agent: str, scope: str, key: str) -> dict[str, Any] | None:
@@ -48,9 +52,48 @@ async def take_lease(
         return (await conn.execute(statement)).rowcount == 1
 
 
-async def count_replay(engine: AsyncEngine, invocation_id: str) -> None:
+class ReplayTally:
+    """``invocations.replays``, counted in memory and added in batches: one transaction for all
+    the replays served meanwhile, not one per replay. The count is a statistic, not evidence:
+    counts not yet written when the process dies are lost (at most one batch)."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+        self._pending: Counter[str] = Counter()
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, invocation_id: str) -> None:
+        self._pending[invocation_id] += 1
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        failures = 0
+        while self._pending:
+            batch, self._pending = self._pending, Counter()
+            try:
+                await add_replays(self.engine, batch)
+                failures = 0
+            except Exception as exc:  # the database is away: keep the counts, try again shortly
+                self._pending.update(batch)
+                failures += 1
+                if failures >= 30:
+                    log.warning("dropped %d replay counts: %s", sum(self._pending.values()), exc)
+                    self._pending.clear()
+                    return
+                await asyncio.sleep(1.0)
+
+    async def flush(self) -> None:
+        if self._task is not None:
+            await self._task
+        if self._pending:
+            await self._drain()
+
+
+async def add_replays(engine: AsyncEngine, counts: Counter[str]) -> None:
+    statement = update(invocations).where(c.invocation_id == bindparam("iid")).values(replays=c.replays + bindparam("n"))
     async with engine.begin() as conn:
-        await conn.execute(update(invocations).where(c.invocation_id == invocation_id).values(replays=c.replays + 1))
+        await conn.execute(statement, [{"iid": iid, "n": n} for iid, n in counts.items()])
 
 
 async def owner_alive(engine: AsyncEngine, owner: str, stale_after: float) -> bool:

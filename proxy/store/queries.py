@@ -57,6 +57,40 @@ async def held(engine: AsyncEngine, limit: int = 200) -> list[dict[str, Any]]:
         return [dict(r) for r in (await conn.execute(query)).mappings().all()]
 
 
+_RESULT_COLUMNS = (
+    results.c.invocation_id.label("result_of"),
+    results.c.status.label("result_status"),
+    results.c.headers.label("result_headers"),
+    results.c.body.label("result_body"),
+    results.c.key_id.label("result_key_id"),
+)
+
+
+async def invocation_with_result(engine: AsyncEngine, invocation_id: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The invocation's row and its stored result (still sealed: ``open_result``), one query."""
+    query = (
+        select(invocations, *_RESULT_COLUMNS)
+        .select_from(invocations.outerjoin(results, results.c.invocation_id == invocations.c.invocation_id))
+        .where(invocations.c.invocation_id == invocation_id)
+    )
+    async with engine.connect() as conn:
+        found = (await conn.execute(query)).mappings().first()
+    if found is None:
+        return None, None
+    row = {k: v for k, v in found.items() if not k.startswith("result_")}
+    if found["result_of"] is None:
+        return row, None
+    stored = {"status": found["result_status"], "headers": found["result_headers"], "body": found["result_body"],
+              "key_id": found["result_key_id"]}
+    return row, stored
+
+
+def open_result(invocation_id: str, stored: dict[str, Any], decode: ResultDecoder) -> tuple[bytes, list[tuple[str, str]]]:
+    """The body and header pairs of a stored result (decrypted when it was sealed)."""
+    body, headers = decode(invocation_id, bytes(stored["body"]), stored["headers"], stored["key_id"])
+    return body, json.loads(headers)
+
+
 async def stored_result(engine: AsyncEngine, invocation_id: str, decode: ResultDecoder) -> dict[str, Any] | None:
     """The stored result with its body and headers opened; ``headers`` as a list of pairs."""
     row = await result(engine, invocation_id)
