@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 import socket
 import sys
@@ -26,9 +27,11 @@ from .broker import Broker
 from .config import ConfigError, Settings, parse_listen
 from .credentials import CredentialUnavailable, Credentials, read_source
 from .crypto import KeyRing
+from .failpoints import failpoint
 from .recovery import Recovery
 from .store import migrate
 from .store.journal import Journal, make_engine
+from .store.reads import ResultReader
 from .upstream import Upstream
 
 log = logging.getLogger("affidavit")
@@ -128,17 +131,24 @@ async def serve(
     ring: KeyRing,
     *,
     announce: Callable[[str], None] = print,
+    worker: int | None = None,
 ) -> None:
-    api_socket = listen_socket(settings.api.listen, "api.listen")
+    """Serve until stopped. ``worker``: this process is worker ``worker`` of ``affidavit run
+    --workers N`` (proxy/workers.py): it shares the listen ports with its siblings."""
+    api_socket = listen_socket(settings.api.listen, "api.listen", shared=worker is not None)
     # Unique among live brokers: a host name and the port this process holds (two processes
-    # cannot hold one port, so a restarted broker knows its earlier incarnations are dead).
+    # cannot hold one port, so a restarted broker knows its earlier incarnations are dead). A
+    # worker shares its port with its siblings; its supervisor restarts it only once it exited.
     instance = settings.recovery.instance or f"{socket.gethostname()}:{parse_listen(settings.proxy.listen)[1]}"
+    if worker is not None:
+        instance = f"{instance}#w{worker}"
     owner = f"{instance}/{ULID()}"
     engine = make_engine(settings.database.url, settings.database.pool_size)
     journal = Journal(engine, writer=owner, ring=ring)
     await journal.start()
     upstream = Upstream(ca_bundle=settings.upstream.ca_bundle)
     credentials = Credentials(settings, engine, ring)
+    reader = ResultReader(settings.database.url, size=min(4, settings.database.pool_size), timeout=5.0)
     broker = Broker(settings, journal, upstream, credentials, owner)
     recovery = Recovery(
         journal,
@@ -174,7 +184,7 @@ async def serve(
     api_host, api_port = parse_listen(settings.api.listen)
     api = uvicorn.Server(
         uvicorn.Config(
-            create_app(engine, tokens, operator, journal, broker),
+            create_app(engine, tokens, operator, journal, broker, reader),
             log_config=None,
             access_log=False,
             lifespan="off",
@@ -194,6 +204,7 @@ async def serve(
 
     api_task = asyncio.create_task(api.serve(sockets=[api_socket]), name="side api")
     master_task = asyncio.create_task(master.run(), name="mitmproxy")
+    orphan_watch = asyncio.create_task(_stop_when_orphaned(master)) if worker is not None else None
     try:
         ready_wait = asyncio.create_task(ready.wait())
         done, _ = await asyncio.wait({ready_wait, master_task, api_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -210,21 +221,26 @@ async def serve(
             await asyncio.sleep(0.01)
         if api_task.done():
             raise StartupError(f"the side API stopped during start-up on {settings.api.listen}; see the log above")
+        if worker is not None:
+            await failpoint("worker_start")
         # The proxy port is ours now, so earlier incarnations of this instance are dead: their
         # in-flight records can be closed at once.
         await recovery.start()
         _tune_gc()
-        announce(banner(settings))
+        announce(banner(settings) if worker is None else worker_ready_line(worker))
         done, _ = await asyncio.wait({master_task, api_task}, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
             task.result()
     finally:
+        if orphan_watch is not None:
+            orphan_watch.cancel()
         master.shutdown()
         api.should_exit = True
         await asyncio.gather(master_task, api_task, return_exceptions=True)
         await recovery.close()
         await broker.close()
         await journal.close()
+        await reader.close()
         await upstream.close()
         await engine.dispose()
 
@@ -233,11 +249,16 @@ class StartupError(Exception):
     """The broker cannot serve (a port is taken...); the message says which setting and why."""
 
 
-def listen_socket(listen: str, key: str) -> socket.socket:
-    """Bind ``listen`` now, so a taken port stops the start with a clear message."""
+def listen_socket(listen: str, key: str, *, shared: bool = False) -> socket.socket:
+    """Bind ``listen`` now, so a taken port stops the start with a clear message. ``shared``:
+    with ``SO_REUSEPORT``, for the workers of one broker (the kernel spreads connections)."""
     host, port = parse_listen(listen)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets that say so, and without
+    # it a keep-alive response waits ~40 ms for a delayed ACK (Nagle).
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if shared:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
         sock.listen(1024)
@@ -246,6 +267,33 @@ def listen_socket(listen: str, key: str) -> socket.socket:
         raise StartupError(f"{key} {listen}: {exc.strerror or exc} (is another broker running?)") from None
     sock.setblocking(False)
     return sock
+
+
+class SharedPortLoop(asyncio.SelectorEventLoop):
+    """The event loop of a worker: every listening socket it creates (mitmproxy's proxy server
+    binds its own, through ``asyncio.start_server``) is shared with the sibling workers."""
+
+    async def create_server(self, *args, **kwargs):  # type: ignore[override]
+        kwargs.setdefault("reuse_port", True)
+        return await super().create_server(*args, **kwargs)
+
+
+WORKER_READY = "affidavit: worker {worker} ready (pid {pid})"
+
+
+def worker_ready_line(worker: int) -> str:
+    return WORKER_READY.format(worker=worker, pid=os.getpid())
+
+
+async def _stop_when_orphaned(master: Master) -> None:
+    """A worker outlives no supervisor: if it is gone (even killed with SIGKILL), stop."""
+    supervisor = int(os.environ.get("AFFIDAVIT_SUPERVISOR_PID", "0"))
+    while True:
+        await asyncio.sleep(1.0)
+        if os.getppid() != supervisor:
+            log.error("the supervisor (pid %d) is gone; this worker stops", supervisor)
+            master.shutdown()
+            return
 
 
 def _tune_gc() -> None:
@@ -278,14 +326,16 @@ def redact_url(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
-def run(settings: Settings) -> int:
+def run(settings: Settings, worker: int | None = None) -> int:
     """Check everything that can be checked before touching the database, then serve."""
     logs.setup(settings.log.level)
     tokens, operator = resolve_tokens(settings)
     ring = KeyRing.from_settings(settings.crypto)  # a bad key stops the start (ConfigError)
     prepare_database(settings)
+    main = serve(settings, tokens, operator, ring, announce=lambda text: print(text, flush=True), worker=worker)
     try:
-        asyncio.run(serve(settings, tokens, operator, ring, announce=lambda text: print(text, flush=True)))
+        with asyncio.Runner(loop_factory=SharedPortLoop if worker is not None else None) as runner:
+            runner.run(main)
     except KeyboardInterrupt:
         pass
     except (StartupError, OSError) as exc:

@@ -46,6 +46,10 @@ def _settings(config: Path | None) -> Settings:
 def run(
     config: ConfigOption = None,
     example: Annotated[bool, typer.Option("--example", help="Write an example configuration first if none exists.")] = False,
+    workers: Annotated[
+        Optional[int], typer.Option(min=1, max=64, help="Broker processes sharing the ports (default: proxy.workers).")
+    ] = None,
+    worker_index: Annotated[Optional[int], typer.Option(hidden=True, help="Internal: run as this worker.")] = None,
 ) -> None:
     """Start the broker: the proxy and the side API."""
     from .app import run as run_broker
@@ -58,8 +62,20 @@ def run(
         if written:
             typer.echo(f"affidavit: wrote an example configuration to {config or DEFAULT_CONFIG} (tokens in .affidavit/)")
     settings = _settings(config)
+    count = workers if workers is not None else settings.proxy.workers
     try:
-        code = run_broker(settings)
+        if count > 1 and worker_index is None:
+            from .app import prepare_database, resolve_tokens
+            from .crypto import KeyRing
+            from .workers import supervise
+
+            # Everything a worker would refuse, refused once, before any worker starts.
+            resolve_tokens(settings)
+            KeyRing.from_settings(settings.crypto)
+            prepare_database(settings)
+            code = supervise(settings, config, count)
+        else:
+            code = run_broker(settings, worker=worker_index)
     except ConfigError as exc:
         typer.echo(f"affidavit: {exc}", err=True)
         raise typer.Exit(2) from None

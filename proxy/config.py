@@ -94,6 +94,8 @@ class ProxySection(_Section):
     idempotency_header: str = "Idempotency-Key"
     #: How long a re-send may hold an invocation before it must have dispatched.
     retry_lease: Duration = 30.0
+    #: Broker processes sharing the listen ports (SO_REUSEPORT) and one journal; see docs/performance.md.
+    workers: int = Field(default=1, ge=1, le=64)
 
 
 class ApiSection(_Section):

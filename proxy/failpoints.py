@@ -39,6 +39,7 @@ NAMES = frozenset(
         "after_lease",  # a re-send took its lease, DISPATCH_STARTED not yet written
         "after_approval",  # an operator approved; the credential is not read yet
         "journal_before_commit",  # the journal writer is about to commit a batch
+        "worker_start",  # a worker of `run --workers N` listens on the shared ports, not yet ready
     }
 )
 

@@ -7,6 +7,8 @@ certificates or auth; ``remote_execution``/``unknown`` rising means reconciliati
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -27,7 +29,9 @@ DISPATCH_RECORD = Histogram(
 JOURNAL_ERRORS = Counter(
     "affidavit_journal_errors", "Journal batches that could not be made durable.", registry=REGISTRY
 )
-IN_FLIGHT = Gauge("affidavit_in_flight", "Agent requests being handled right now.", registry=REGISTRY)
+IN_FLIGHT = Gauge(
+    "affidavit_in_flight", "Agent requests being handled right now.", registry=REGISTRY, multiprocess_mode="livesum"
+)
 REPLAYS = Counter("affidavit_replays", "Recorded results served again instead of re-executing.", ["channel"], registry=REGISTRY)
 RECOVERED = Counter(
     "affidavit_recovered", "In-flight records of stopped brokers closed by this broker.", registry=REGISTRY
@@ -39,4 +43,12 @@ def invocation_ended(route: str | None, phase: str, outcome: str, code: str | No
 
 
 def exposition() -> tuple[bytes, str]:
+    """This process's metrics; under ``--workers N`` (a shared ``PROMETHEUS_MULTIPROC_DIR``),
+    every worker's, summed, whichever worker answers."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST

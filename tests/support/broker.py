@@ -103,6 +103,7 @@ class BrokerProcess:
             done = self.command("db", "upgrade")
             assert done.returncode == 0, done.stderr.decode()
         self.starts += 1
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [AFFIDAVIT, "run", "--config", str(self.config_path)],
@@ -117,7 +118,7 @@ class BrokerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the broker exited with {self.proc.returncode}:\n{self.logs()[-3000:]}")
-            if "proxy listening on" in self.logs():
+            if b"proxy listening on" in self.log_path.read_bytes()[offset:]:
                 try:
                     if httpx.get(self.api_url + "/readyz", timeout=1).status_code == 200:
                         return self

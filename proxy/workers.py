@@ -1,0 +1,188 @@
+"""``affidavit run --workers N``: N broker processes on the same ports, one journal.
+
+mitmproxy runs a request on one core, so one broker process is bound by one core. The
+supervisor (this module, the process the operator started) checks what it can, creates the CA
+once (so every worker presents the same one), then starts N workers. Each worker is a whole
+broker (``affidavit run --worker-index i``) that binds the proxy and side-API ports with
+``SO_REUSEPORT``; the kernel spreads new connections across them. They share nothing but the
+journal, which already serves several brokers (leases, fencing, recovery).
+
+* Start: the supervisor prints the banner once every worker printed its ready line. A worker
+  that exits during start-up stops the others, and the supervisor exits 1.
+* Running: a worker that dies is restarted (its earlier incarnation's in-flight records are
+  recovered at once by the new one, see proxy/recovery.py). Five deaths within a minute stop
+  everything: something is wrong that a restart will not fix.
+* Stop: SIGTERM or SIGINT to the supervisor reaches every worker; each drains like a single
+  broker. A worker whose supervisor disappears (even by SIGKILL) stops within a second.
+* Metrics: the workers share a Prometheus multiprocess directory, so ``/metrics`` from any
+  worker counts all of them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from .config import Settings, parse_listen
+
+READY_PREFIX = "affidavit: worker "
+#: A worker that died this often within ``CRASH_WINDOW`` seconds stops the broker.
+CRASH_LIMIT, CRASH_WINDOW = 5, 60.0
+START_TIMEOUT = 120.0
+STOP_GRACE = 30.0
+
+
+class Worker:
+    def __init__(self, index: int, argv: list[str], env: dict[str, str]):
+        self.index = index
+        self.argv = argv
+        self.env = env
+        self.ready = threading.Event()
+        self.process: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        self.ready.clear()
+        self.process = subprocess.Popen(self.argv, env=self.env, stdout=subprocess.PIPE, text=True, bufsize=1)
+        threading.Thread(target=self._relay, args=(self.process,), daemon=True).start()
+
+    def _relay(self, process: subprocess.Popen[str]) -> None:
+        """Pass the worker's stdout on, and notice its ready line."""
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith(READY_PREFIX) and " ready " in line:
+                self.ready.set()
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+    def signal(self, sig: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+
+
+def ports_free(settings: Settings) -> str | None:
+    """Why the broker's ports cannot be taken, or None. Bound without ``SO_REUSEPORT``, so a
+    port held by anything (another broker with workers included) is found."""
+    for key, listen in (("proxy.listen", settings.proxy.listen), ("api.listen", settings.api.listen)):
+        host, port = parse_listen(listen)
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                return f"{key} {listen}: {exc.strerror or exc} (is another broker running?)"
+    return None
+
+
+def ensure_ca(settings: Settings) -> None:
+    """Create the interception CA before the workers start, so they all load the same one."""
+    from mitmproxy.certs import CertStore
+
+    CertStore.from_store(settings.proxy.confdir, "mitmproxy", 2048)
+
+
+def worker_argv(config: Path | None, index: int) -> list[str]:
+    optimize = ["-O"] if sys.flags.optimize else []
+    return [sys.executable, *optimize, "-m", "proxy", "run", *(["--config", str(config)] if config else []),
+            "--worker-index", str(index)]
+
+
+def supervise(settings: Settings, config: Path | None, workers: int, announce=print) -> int:
+    """Run ``workers`` broker processes until a signal; the exit status of the whole broker."""
+    from .app import banner
+
+    problem = ports_free(settings)
+    if problem is not None:
+        print(f"affidavit: cannot start: {problem}", file=sys.stderr)
+        return 1
+    settings.proxy.confdir.mkdir(parents=True, exist_ok=True)
+    ensure_ca(settings)
+    metrics_dir = tempfile.mkdtemp(prefix="affidavit-metrics-")
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir, "AFFIDAVIT_SUPERVISOR_PID": str(os.getpid())}
+    pool = [Worker(i, worker_argv(config, i), env) for i in range(workers)]
+    stopping = threading.Event()
+
+    def stop(signum: int, _frame: object) -> None:
+        stopping.set()
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for worker in pool:
+            worker.start()
+        status = _await_start(pool, stopping)
+        if status is not None:
+            return status
+        announce(banner(settings) + f"\naffidavit: {workers} workers share these ports (pids "
+                 + ", ".join(str(w.process.pid) for w in pool if w.process) + ")")
+        sys.stdout.flush()
+        return _watch(pool, stopping, metrics_dir)
+    finally:
+        _stop_all(pool)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _await_start(pool: list[Worker], stopping: threading.Event) -> int | None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while not all(w.ready.is_set() for w in pool):
+        if stopping.is_set():
+            return 0
+        for worker in pool:
+            assert worker.process is not None
+            if worker.process.poll() is not None:
+                print(f"affidavit: cannot start: worker {worker.index} exited with status {worker.process.returncode} "
+                      "during start-up (its reason is above); stopping the others", file=sys.stderr)
+                return 1
+        if time.monotonic() > deadline:
+            print(f"affidavit: cannot start: the workers were not ready within {START_TIMEOUT:.0f}s", file=sys.stderr)
+            return 1
+        time.sleep(0.05)
+    return None
+
+
+def _watch(pool: list[Worker], stopping: threading.Event, metrics_dir: str) -> int:
+    from prometheus_client import multiprocess
+
+    deaths: deque[float] = deque()
+    while not stopping.wait(0.2):
+        for worker in pool:
+            assert worker.process is not None
+            code = worker.process.poll()
+            if code is None:
+                continue
+            multiprocess.mark_process_dead(worker.process.pid, metrics_dir)
+            now = time.monotonic()
+            deaths.append(now)
+            while deaths and deaths[0] < now - CRASH_WINDOW:
+                deaths.popleft()
+            if len(deaths) >= CRASH_LIMIT:
+                print(f"affidavit: workers died {len(deaths)} times within {CRASH_WINDOW:.0f}s (worker {worker.index}: "
+                      f"status {code}); stopping the broker. See the log above for why.", file=sys.stderr)
+                return 1
+            print(f"affidavit: worker {worker.index} (pid {worker.process.pid}) exited with status {code}; "
+                  "restarting it (its in-flight records are recovered on start)", file=sys.stderr)
+            worker.start()
+    return 0
+
+
+def _stop_all(pool: list[Worker]) -> None:
+    for worker in pool:
+        worker.signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE
+    for worker in pool:
+        if worker.process is None:
+            continue
+        try:
+            worker.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            worker.process.kill()
+            worker.process.wait()

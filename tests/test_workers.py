@@ -1,0 +1,160 @@
+"""``affidavit run --workers N``: several broker processes on one port and one journal, started,
+restarted and stopped by one supervisor. Real processes, real sockets, real PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import database_url
+from tests.support.broker import AFFIDAVIT, BrokerProcess, free_port
+from tests.support.envelopes import check_envelope
+from tests.support.journal import query
+
+PAY = "https://api.payments.test"
+
+
+def worker_pids(broker: BrokerProcess) -> list[int]:
+    found = re.findall(r"workers share these ports \(pids ([0-9, ]+)\)", broker.logs())
+    assert found, broker.logs()[-2000:]
+    return [int(p) for p in found[-1].split(", ")]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_gone(pids: list[int], timeout: float = 10) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+@pytest.fixture
+def pg_url(request, tmp_path):
+    return database_url("postgresql", tmp_path, request)
+
+
+@pytest.mark.parametrize("dialect", ["postgresql", "sqlite"])
+def test_workers_share_one_port_one_ca_and_one_journal(make_broker, upstream, dialect):
+    broker = make_broker(dialect, proxy={"workers": 3})
+    pids = worker_pids(broker)
+    assert len(set(pids)) == 3
+    listeners = subprocess.run(["ss", "-ltnpH", f"sport = :{broker.proxy_port}"], capture_output=True, text=True).stdout
+    assert sorted(int(p) for p in re.findall(r"pid=(\d+)", listeners)) == sorted(pids), listeners
+
+    sent = 45
+    for i in range(sent):  # a new connection (and TLS handshake against the broker's CA) each time
+        with broker.client() as client:
+            response = client.get(PAY + f"/h/status?code=200&n={i}")
+        assert response.status_code == 200 and response.headers["affidavit-outcome"] == "committed", response.text
+
+    rows = query(broker.database_url, "SELECT owner FROM invocations")
+    owners: dict[str, int] = {}
+    for (owner,) in rows:
+        instance = owner.split("/", 1)[0]
+        owners[instance] = owners.get(instance, 0) + 1
+    assert sum(owners.values()) == sent, owners
+    assert len(owners) == 3 and all(re.search(r"#w[0-2]$", o) for o in owners), (
+        f"the kernel spread {sent} connections over every worker, each its own instance: {owners}")
+
+    with httpx.Client(base_url=broker.api_url, headers={"Authorization": f"Bearer {broker.operator_token}"}) as api:
+        for _ in range(5):  # whichever worker answers, it counts every worker's invocations
+            text = api.get("/metrics").text
+            counted = sum(float(v) for v in re.findall(r'^affidavit_invocations_total\{[^}]*outcome="committed"[^}]*\} (\S+)$', text, re.M))
+            assert counted == sent, text
+
+
+def test_a_worker_killed_mid_request_is_restarted_and_its_record_recovered(make_broker, upstream, pg_url):
+    broker = make_broker(db_url=pg_url, proxy={"workers": 2}, env={"AFFIDAVIT_FAILPOINTS": "after_dispatch_commit=kill"})
+    before = worker_pids(broker)
+    with broker.client() as client:
+        with pytest.raises(httpx.HTTPError):
+            client.post(PAY + "/h/ok", content=b'{"amount":1}')
+    rows = query(broker.database_url, "SELECT invocation_id FROM invocations")
+    assert len(rows) == 1
+    record = broker.wait_for(rows[0][0], lambda r: r["retry"] is not None, timeout=20)
+    assert (record["outcome"], record["code"]) == ("unknown", "REMOTE_OUTCOME_UNKNOWN"), record
+    assert upstream.effects == 0, "killed after DISPATCH_STARTED, before the first byte"
+    deadline = time.monotonic() + 20
+    while "worker" not in broker.logs().split("restarting it")[-1] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert re.search(r"affidavit: worker \d \(pid \d+\) exited with status -9; restarting it", broker.logs())
+    assert len(re.findall(r"affidavit: worker \d ready", broker.logs())) == 3, broker.logs()[-2000:]
+    assert sum(alive(p) for p in before) == 1, "the killed worker is gone, its sibling still serves"
+    assert broker.proc is not None and broker.proc.poll() is None
+
+
+def test_a_worker_that_keeps_dying_stops_the_broker(make_broker, upstream, pg_url):
+    broker = make_broker(db_url=pg_url, proxy={"workers": 2}, env={"AFFIDAVIT_FAILPOINTS": "after_dispatch_commit=kill"})
+    assert broker.proc is not None
+    deadline = time.monotonic() + 90
+    while broker.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with broker.client(timeout=5) as client:
+                client.post(PAY + "/h/ok", content=b"{}")
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    assert broker.proc.returncode == 1, broker.logs()[-3000:]
+    assert re.search(r"affidavit: workers died 5 times within 60s .*stopping the broker", broker.logs())
+    assert upstream.effects == 0
+
+
+def test_sigterm_stops_every_worker_and_a_killed_supervisor_leaves_none(make_broker, upstream, pg_url):
+    broker = make_broker(db_url=pg_url, proxy={"workers": 2})
+    pids = worker_pids(broker)
+    assert broker.stop() == 0
+    assert wait_gone(pids) == []
+    broker.start()
+    pids = worker_pids(broker)
+    assert broker.proc is not None
+    os.kill(broker.proc.pid, signal.SIGKILL)  # the supervisor only; its workers must notice
+    assert wait_gone(pids, timeout=10) == [], "orphaned workers keep serving"
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", broker.proxy_port)) != 0
+
+
+def test_workers_refuse_a_taken_port(make_broker, upstream, pg_url):
+    broker = make_broker(db_url=pg_url, proxy={"workers": 2}, start=False)
+    assert broker.command("db", "upgrade").returncode == 0
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", broker.proxy_port))
+        holder.listen(1)
+        done = subprocess.run([AFFIDAVIT, "run", "--config", str(broker.config_path)], cwd=broker.workdir,
+                              env=broker._env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert f"affidavit: cannot start: proxy.listen 127.0.0.1:{broker.proxy_port}" in done.stderr, done.stderr
+    assert "ready" not in done.stdout
+
+
+def test_a_worker_that_fails_to_start_stops_the_start(make_broker, upstream, pg_url):
+    broker = make_broker(db_url=pg_url, start=False, env={"AFFIDAVIT_FAILPOINTS": "worker_start=raise"})
+    assert broker.command("db", "upgrade").returncode == 0
+    done = subprocess.run([AFFIDAVIT, "run", "--config", str(broker.config_path), "--workers", "2"], cwd=broker.workdir,
+                          env=broker._env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert re.search(r"affidavit: cannot start: worker \d exited with status \d+ during start-up", done.stderr), done.stderr[-3000:]
+    assert "proxy listening on" not in done.stdout
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", broker.proxy_port)) != 0, "no worker is left listening"
+
+
+def test_the_workers_option_overrides_the_file_and_one_worker_is_the_plain_broker(make_broker, upstream):
+    broker = make_broker(proxy={"workers": 1})
+    assert "workers share these ports" not in broker.logs()
+    with broker.client() as client:
+        body = client.get("https://nowhere.example.test/")
+    assert check_envelope(body.content)["error"]["code"] == "INVALID_TARGET"
