@@ -5,11 +5,13 @@ Why not an off-the-shelf tool: the benchmark needs, in one tool, plain-HTTP prox
 session *to the proxy* that trusts the proxy's own CA, exact request counts (they are checked
 against the broker's journal), and CPU snapshots taken at the exact edges of the measured window.
 
-How it works: N persistent connections, each sending one pre-built request, waiting for the
+How it works: N persistent connections, each sending a pre-built request, waiting for the
 response, and sending the next one at once (a closed loop: offered load = what the proxy can
 take). The loop is driven from ``data_received`` callbacks - no coroutine or future per request -
 so the client stays cheap next to a Python proxy. Only the status line and the framing
-(Content-Length, or chunked) are parsed.
+(Content-Length, or chunked) are parsed, plus, when the plan names one, a header every 200
+response must carry. The same client drives the side-API benchmark: direct connections to the
+API, the requests cycling through a list of URIs (one per recorded invocation).
 
 Timeline: connect all (bounded) -> warm-up (not counted) -> measured window (responses that
 *complete* inside it are counted; CPU of the watched processes is sampled at both edges) ->
@@ -41,8 +43,9 @@ class ProtocolError(Exception):
     pass
 
 
-def parse_response(buf: bytearray, *, no_body: bool = False) -> tuple[int, int] | None:
-    """``(status, length of the whole response)`` if ``buf`` holds a complete one, else None."""
+def parse_response(buf: bytearray, *, no_body: bool = False) -> tuple[int, int, int] | None:
+    """``(status, length of the head, length of the whole response)`` if ``buf`` holds a
+    complete response, else None."""
     end = buf.find(b"\r\n\r\n")
     if end < 0:
         if len(buf) > _MAX_HEAD:
@@ -53,13 +56,13 @@ def parse_response(buf: bytearray, *, no_body: bool = False) -> tuple[int, int] 
     status = int(buf[9:12])
     start = end + 4
     if no_body or status in (204, 304) or status < 200:
-        return status, start
+        return status, start, start
     head = bytes(buf[:end]).lower()
     i = head.find(b"\r\ncontent-length:")
     if i >= 0:
         j = head.find(b"\r\n", i + 2)
         total = start + int(head[i + 17 : j if j >= 0 else None])
-        return (status, total) if len(buf) >= total else None
+        return (status, start, total) if len(buf) >= total else None
     if b"\r\ntransfer-encoding:" in head and b"chunked" in head:
         pos = start
         while True:
@@ -70,9 +73,9 @@ def parse_response(buf: bytearray, *, no_body: bool = False) -> tuple[int, int] 
             pos = eol + 2
             if size == 0:
                 if buf[pos : pos + 2] == b"\r\n":
-                    return status, pos + 2
+                    return status, start, pos + 2
                 trailer_end = buf.find(b"\r\n\r\n", pos)
-                return (status, trailer_end + 4) if trailer_end >= 0 else None
+                return (status, start, trailer_end + 4) if trailer_end >= 0 else None
             pos += size + 2
             if len(buf) < pos:
                 return None
@@ -98,6 +101,9 @@ class Plan:
     max_reconnects: int = 200
     watch: dict[str, int] = field(default_factory=dict)  # name -> pid (process tree)
     pg_database: str | None = None
+    uris: list[str] = field(default_factory=lambda: ["/"])  # request targets, cycled one per request
+    headers: dict[str, str] = field(default_factory=dict)  # extra request headers (e.g. Authorization)
+    expect_header: str | None = None  # "Name: value" every 200 response must carry, else an error
 
 
 class Conn(asyncio.Protocol):
@@ -124,14 +130,17 @@ class Conn(asyncio.Protocol):
                 parsed = parse_response(self.buf, no_body=self.expect_no_body)
                 if parsed is None:
                     return
-                status, n = parsed
-                del self.buf[:n]
+                status, head, n = parsed
                 if self.setup_waiter is not None:
+                    del self.buf[:n]
                     waiter, self.setup_waiter = self.setup_waiter, None
                     if not waiter.done():
                         waiter.set_result(status)
                     return
-                self.gen.on_response(self, status)
+                expect = self.gen.expect
+                missing = expect is not None and status == 200 and expect not in bytes(self.buf[:head]).lower()
+                del self.buf[:n]
+                self.gen.on_response(self, status, missing)
         except (ProtocolError, ValueError) as exc:
             self.gen.note_error(f"protocol: {exc}")
             if self.transport is not None:
@@ -150,14 +159,16 @@ class Conn(asyncio.Protocol):
         self.in_flight = True
         self.gen.sent += 1
         self.sent_ns = time.perf_counter_ns()
-        self.transport.write(self.gen.request)
+        self.transport.write(self.gen.next_request())
 
 
 class LoadGen:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.loop = asyncio.get_running_loop()
-        self.request = self._build_request()
+        self.requests = self._build_requests()
+        self.next_index = 0
+        self.expect = f"\r\n{plan.expect_header.lower()}\r\n".encode() if plan.expect_header else None
         self.conns: list[Conn] = []
         self.running = False
         self.measure_start_ns = 0
@@ -173,18 +184,27 @@ class LoadGen:
         self.ssl_ctx = self._ssl_context()
 
     # -- request bytes and TLS ------------------------------------------------------------
-    def _build_request(self) -> bytes:
+    def _build_requests(self) -> list[bytes]:
+        """One request per URI of the plan, built once; ``next_request`` cycles through them."""
         p = self.plan
         authority = f"{p.target_host}:{p.target_port}"
-        lines: list[str]
-        if p.path == "http" and not p.direct:
-            lines = [f"GET http://{authority}/ HTTP/1.1", f"Host: {authority}"]
-            if p.auth:
-                lines.append(f"Proxy-Authorization: Basic {base64.b64encode(p.auth.encode()).decode()}")
-        else:
-            lines = ["GET / HTTP/1.1", f"Host: {authority}"]
-        lines += ["User-Agent: affidavit-bench", "Accept: */*"]
-        return ("\r\n".join(lines) + "\r\n\r\n").encode()
+        out = []
+        for uri in p.uris:
+            lines: list[str]
+            if p.path == "http" and not p.direct:
+                lines = [f"GET http://{authority}{uri} HTTP/1.1", f"Host: {authority}"]
+                if p.auth:
+                    lines.append(f"Proxy-Authorization: Basic {base64.b64encode(p.auth.encode()).decode()}")
+            else:
+                lines = [f"GET {uri} HTTP/1.1", f"Host: {authority}"]
+            lines += ["User-Agent: affidavit-bench", "Accept: */*", *(f"{k}: {v}" for k, v in p.headers.items())]
+            out.append(("\r\n".join(lines) + "\r\n\r\n").encode())
+        return out
+
+    def next_request(self) -> bytes:
+        request = self.requests[self.next_index]
+        self.next_index = (self.next_index + 1) % len(self.requests)
+        return request
 
     def _connect_request(self) -> bytes:
         p = self.plan
@@ -242,18 +262,21 @@ class LoadGen:
         )
 
     # -- the hot path ---------------------------------------------------------------------
-    def on_response(self, conn: Conn, status: int) -> None:
+    def on_response(self, conn: Conn, status: int, missing_header: bool) -> None:
+        """``missing_header``: a 200 without the plan's ``expect_header`` (counted as an error)."""
         now = time.perf_counter_ns()
         conn.in_flight = False
         self.completed += 1
+        good = status == 200 and not missing_header
+        what = f"200 without {self.plan.expect_header}" if missing_header else str(status)
         if self.measure_start_ns <= now <= self.measure_end_ns:
-            if status == 200:
+            if good:
                 self.ok += 1
                 self.latencies_ns.append(now - conn.sent_ns)
             else:
-                self.errors[str(status)] += 1
-        if status != 200:
-            self.all_errors[str(status)] += 1
+                self.errors[what] += 1
+        if not good:
+            self.all_errors[what] += 1
         if self.running:
             conn.send()
         else:
@@ -292,8 +315,10 @@ class LoadGen:
             self.idle_event.set()
 
     # -- CPU snapshots --------------------------------------------------------------------
-    def snapshot(self) -> dict[str, float]:
-        snap = {name: procstat.tree_cpu_seconds(pid) for name, pid in self.plan.watch.items()}
+    def snapshot(self) -> tuple[dict[str, float], dict[str, list[int]]]:
+        """CPU seconds of everything watched, and the pids of each watched process tree."""
+        trees = procstat.trees_cpu(self.plan.watch)
+        snap = {name: tree.seconds for name, tree in trees.items()}
         pg = procstat.postgres_cpu(self.plan.pg_database)
         snap["pg_own"] = pg.own
         snap["pg_all"] = pg.all
@@ -302,7 +327,7 @@ class LoadGen:
         m = procstat.machine_cpu()
         snap["machine_busy"] = m.busy
         snap["machine_total"] = m.total
-        return snap
+        return snap, {name: tree.pids for name, tree in trees.items()}
 
     async def run(self) -> dict[str, object]:
         p = self.plan
@@ -316,13 +341,13 @@ class LoadGen:
             conn.send()
         await asyncio.sleep(p.warmup)
 
-        before = self.snapshot()
+        before, pids_before = self.snapshot()
         self.measure_start_ns = time.perf_counter_ns()
         self.measure_end_ns = self.measure_start_ns + int(p.duration * 1e9)
         await asyncio.sleep(p.duration)
         self.running = False
         window_ns = time.perf_counter_ns() - self.measure_start_ns
-        after = self.snapshot()
+        after, pids_after = self.snapshot()
 
         self._maybe_idle()
         drained = True
@@ -359,6 +384,9 @@ class LoadGen:
             "max_ms": lat[-1] / 1e6 if lat else None,
             "mean_ms": sum(lat) / len(lat) / 1e6 if lat else None,
             "cpu_s": cpu,
+            # Each watched tree's pids at the start and at the end of the window: a process
+            # that died or was restarted in between shows up as a difference.
+            "tree_pids": {name: [pids_before[name], pids_after[name]] for name in pids_before},
         }
 
 

@@ -59,25 +59,35 @@ def _ppid_map() -> dict[int, int]:
     return out
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every live process below it (mitmdump and the broker are single processes
-    today, but nginx is master+worker and a future broker might fork)."""
-    parents = _ppid_map()
+def descendants(pid: int, parents: dict[int, int]) -> list[int]:
+    """``pid`` and every live process below it, from the parent links in ``/proc/*/stat``
+    (``/proc/<pid>/task/*/children`` would be cheaper, but not every kernel has it - the
+    reference machine's does not). mitmdump and a single broker are one process; ``affidavit
+    run --workers N`` is a supervisor with N worker children; nginx is master + worker."""
     found = [pid]
-    frontier = [pid]
+    frontier = {pid}
     while frontier:
         nxt = [child for child, parent in parents.items() if parent in frontier]
         found.extend(nxt)
-        frontier = nxt
+        frontier = set(nxt)
     return found
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU of a process tree: the root (with reaped children) plus live descendants."""
-    total = cpu_seconds(pid, children=True)
-    for child in descendants(pid)[1:]:
-        total += cpu_seconds(child, children=True)
-    return total
+@dataclass(frozen=True, slots=True)
+class TreeCpu:
+    seconds: float  # user+sys of every live process of the tree, plus what they reaped
+    pids: list[int]  # the root first, then its live descendants
+
+
+def trees_cpu(roots: dict[str, int]) -> dict[str, TreeCpu]:
+    """CPU of several process trees (name -> root pid), from one scan of ``/proc``. A child
+    that exited was reaped by its parent in the tree, so its CPU is in that parent's ``cutime``."""
+    parents = _ppid_map()
+    out: dict[str, TreeCpu] = {}
+    for name, root in roots.items():
+        pids = descendants(root, parents)
+        out[name] = TreeCpu(sum(cpu_seconds(p, children=True) for p in pids), pids)
+    return out
 
 
 def rss_kib(pid: int) -> int | None:

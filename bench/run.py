@@ -3,6 +3,7 @@
 
     python bench/run.py            # full matrix: {http,https} x {1,32,128} x 3 targets, 3 rounds (~6 min)
     python bench/run.py --quick    # 1 round, concurrency {1,32}, 2 s per run (~1 min)
+    python bench/run.py --api      # the side API's result fetch instead (bench/api.py)
 
 Why it is built this way (see bench/README.md for how to read the output):
 
@@ -11,7 +12,9 @@ Why it is built this way (see bench/README.md for how to read the output):
   order, and the report gives medians over rounds and *paired ratios* against bare mitmdump.
 * The upstream (nginx if installed, else bench/upstream.py), the load generator
   (bench/loadgen.py) and each proxy are separate processes, so the CPU read from /proc for the
-  proxy is the proxy's alone.
+  proxy is the proxy's alone (its whole process tree: ``--workers N`` is a supervisor and N
+  workers).
+* ``--api`` measures the side API's result fetch instead (bench/api.py), with the same matrix.
 * Affidavit promises one journal row per accepted request; after every Affidavit run the
   harness compares the growth of ``invocations`` with the requests the load generator sent and
   prints a loud FAIL when they differ.
@@ -54,15 +57,25 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Iterable  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
+import api  # noqa: E402
 import services  # noqa: E402
 from services import Pki, StartError, Target, Upstream  # noqa: E402
 
 ALL_TARGETS = ("bare", "affidavit-pg", "affidavit-sqlite")
-OPTIONAL_TARGETS = ("direct",)  # no proxy: the upstream + load generator ceiling
+# direct: no proxy, the upstream + load generator ceiling; *-workers: `affidavit run --workers N`.
+OPTIONAL_TARGETS = ("direct", "affidavit-pg-workers", "affidavit-sqlite-workers")
+#: Affidavit targets: name -> (journal, runs `--workers N`).
+AFFIDAVIT_TARGETS = {
+    "affidavit-pg": ("pg", False),
+    "affidavit-sqlite": ("sqlite", False),
+    "affidavit-pg-workers": ("pg", True),
+    "affidavit-sqlite-workers": ("sqlite", True),
+}
+API_TARGETS = ("affidavit-pg", "affidavit-sqlite")  # --api's default targets
 LOUD = "!" * 100
 
 
@@ -84,13 +97,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--quick", action="store_true", help="1 round, concurrency 1,32, 2 s per run (unless given explicitly)"
     )
-    p.add_argument("--paths", type=_csv(str), default=["http", "https"], help="comma list of http,https [both]")
-    p.add_argument("--concurrency", type=_csv(int), help="comma list of connection counts [1,32,128; quick: 1,32]")
+    p.add_argument("--paths", type=_csv(str), help="comma list of http,https [both]")
+    p.add_argument(
+        "--concurrency", type=_csv(int), help="comma list of connection counts [1,32,128; quick and --api: 1,32]"
+    )
     p.add_argument(
         "--targets",
         type=_csv(str),
-        default=list(ALL_TARGETS),
-        help=f"comma list of {','.join(ALL_TARGETS + OPTIONAL_TARGETS)} [all but direct]; bare is the reference",
+        help=f"comma list of {','.join(ALL_TARGETS + OPTIONAL_TARGETS)} [{','.join(ALL_TARGETS)}; "
+        f"--api: {','.join(API_TARGETS)}]; bare is the reference",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="worker processes of the *-workers targets (`affidavit run --workers N`) [2]",
+    )
+    p.add_argument(
+        "--api",
+        action="store_true",
+        help="benchmark the side API's GET /v1/invocations/{id}/result instead of the proxy (affidavit targets)",
+    )
+    p.add_argument(
+        "--api-ids", type=int, default=200, help="--api: invocations recorded per target and cycled through [200]"
     )
     p.add_argument("--duration", type=float, help="measured seconds per run [5; quick: 2]")
     p.add_argument("--warmup", type=float, default=1.0, help="uncounted seconds before each measured window [1]")
@@ -102,21 +131,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--results-dir", type=Path, default=HERE / "results", help="[bench/results]")
     p.add_argument("--keep-tmp", action="store_true", help="keep the temp dir (configs, logs, sqlite db)")
     a = p.parse_args(argv)
-    quick, full = (
-        {"rounds": 1, "concurrency": [1, 32], "duration": 2.0},
-        {"rounds": 3, "concurrency": [1, 32, 128], "duration": 5.0},
-    )
-    for key, value in (quick if a.quick else full).items():
+    if a.api and a.paths is not None:
+        p.error("--paths does not apply to --api (it measures the side API, not the proxy); drop one of them")
+    defaults = {
+        "rounds": 1 if a.quick else 3,
+        "duration": 2.0 if a.quick else 5.0,
+        "concurrency": [1, 32] if a.quick or a.api else [1, 32, 128],
+        "paths": ["api"] if a.api else ["http", "https"],
+        "targets": list(API_TARGETS if a.api else ALL_TARGETS),
+    }
+    for key, value in defaults.items():
         if getattr(a, key) is None:
             setattr(a, key, value)
     for path in a.paths:
-        if path not in ("http", "https"):
+        if path not in ("http", "https") and not a.api:
             p.error(f"--paths: unknown path {path!r}")
     for t in a.targets:
         if t not in ALL_TARGETS + OPTIONAL_TARGETS:
             p.error(f"--targets: unknown target {t!r}")
+        if a.api and t not in AFFIDAVIT_TARGETS:
+            p.error(f"--targets: {t!r} has no side API; --api takes {','.join(AFFIDAVIT_TARGETS)}")
     if any(c < 1 for c in a.concurrency) or a.rounds < 1 or a.duration <= 0 or a.warmup < 0:
         p.error("concurrency and rounds must be >= 1, duration > 0, warmup >= 0")
+    if a.workers < 2 or a.api_ids < 1:
+        p.error("--workers must be >= 2 (1 is the plain affidavit target) and --api-ids >= 1")
     return a
 
 
@@ -159,8 +197,16 @@ class Bench:
     failed: dict[str, str] = field(default_factory=dict)  # target -> why it stopped being measured
     runs: list[dict[str, Any]] = field(default_factory=list)
     fails: list[str] = field(default_factory=list)  # loud problems: journal mismatches, errors
+    api_ids: dict[str, list[str]] = field(default_factory=dict)  # --api: target -> recorded invocation ids
+
+    @property
+    def name_w(self) -> int:
+        """Width of the target column in progress lines: the longest selected target name + 1."""
+        return _name_width(self.args.targets) + 1
 
     def plan(self, target: Target, path: str, concurrency: int, warmup: float, duration: float) -> dict[str, Any]:
+        if path == "api":
+            return api.plan(target, self.api_ids[target.name], concurrency, warmup, duration)
         direct = target.name == "direct"
         watch = {"upstream": self.upstream.child.pid}
         if not direct:
@@ -186,10 +232,12 @@ class Bench:
     def measure(
         self, target: Target, path: str, concurrency: int, *, warmup: float, duration: float, label: str
     ) -> dict[str, Any]:
-        """One load-generator run against one target, with the journal count check around it."""
+        """One load-generator run against one target, with the journal count check around it
+        (every request through the proxy is one new invocation; side-API reads make none) and a
+        check that the target's process tree stayed the same."""
         plan = self.plan(target, path, concurrency, warmup, duration)
         record: dict[str, Any] = {"target": target.name, "path": path, "concurrency": concurrency, "label": label}
-        before = self._count(target)
+        before = self.count(target)
         timeout = 30 + warmup + duration + 10 + 30
         try:
             proc = subprocess.run(
@@ -212,28 +260,54 @@ class Bench:
             return record
         record.update(result)
         self._derive(record)
+        self._check_tree(target, record)
         if before is not None:
-            self._check_journal(target, record, before)
+            if path == "api":
+                self.check_journal(target, record, before, 0, "side-API reads record no invocation")
+            else:
+                why = (
+                    f"the load generator sent {record['sent']} requests "
+                    f"(unfinished {record.get('unfinished')}, errors {record.get('all_errors')})"
+                )
+                self.check_journal(target, record, before, int(record["sent"]), why)
         return record
 
-    def _count(self, target: Target) -> int | None:
+    def count(self, target: Target) -> int | None:
         if target.count_invocations is None:
             return None
         try:
             return target.count_invocations()
         except Exception as exc:  # noqa: BLE001
-            self.fails.append(f"{target.name}: cannot count invocations: {exc}")
-            print(f"{LOUD}\nFAIL {target.name}: cannot count invocations: {exc}\n{LOUD}")
+            self._fail(f"{target.name}: cannot count invocations: {exc}")
             return None
 
-    def _check_journal(self, target: Target, record: dict[str, Any], before: int) -> None:
-        """Every request sent must be one row in ``invocations``. Rows may land a moment after the
-        response (write-behind), so poll - bounded - until the count reaches what was sent."""
-        expected = before + int(record["sent"])
+    def _fail(self, msg: str) -> None:
+        self.fails.append(msg)
+        print(f"{LOUD}\nFAIL {msg}\n{LOUD}", flush=True)
+
+    def _check_tree(self, target: Target, record: dict[str, Any]) -> None:
+        """The proxy (or API) process tree must be the same at both edges of the window, with
+        the expected number of processes: under ``--workers N`` a worker that crashed is
+        restarted by the supervisor, so only a changed pid shows it."""
+        for name in ("proxy", "api"):
+            if name not in record["tree_pids"]:
+                continue
+            first, last = record["tree_pids"][name]
+            if first != last or len(first) != target.processes:
+                self._fail(
+                    f"{target.name} {record['label']}: expected {target.processes} process(es) throughout, "
+                    f"found pids {first} at the start of the window and {last} at its end "
+                    f"(a crashed or restarted worker?); see {target.child.log}"
+                )
+
+    def check_journal(self, target: Target, record: dict[str, Any], before: int, growth: int, why: str) -> None:
+        """The journal must grow by exactly ``growth`` rows in ``invocations``. Rows may land a
+        moment after the response (write-behind), so poll - bounded - until the count is reached."""
+        expected = before + growth
         deadline = time.monotonic() + 10
         after = before
         while True:
-            count = self._count(target)
+            count = self.count(target)
             if count is None:
                 return
             after = count
@@ -243,27 +317,27 @@ class Bench:
         record["journal_rows"] = after - before
         record["journal_ok"] = after == expected
         if after != expected:
-            msg = (
+            self._fail(
                 f"{target.name} {record['label']}: journal grew by {after - before} invocations, "
-                f"the load generator sent {record['sent']} requests "
-                f"(unfinished {record.get('unfinished')}, errors {record.get('all_errors')})"
+                f"expected {growth}: {why}"
             )
-            self.fails.append(msg)
-            print(f"{LOUD}\nFAIL {msg}\n{LOUD}", flush=True)
 
     @staticmethod
     def _derive(r: dict[str, Any]) -> None:
+        """Per-request and per-second CPU figures; the watched trees are ``proxy`` and
+        ``upstream`` (``direct``: upstream only) or, for the side API, ``api``."""
         cpu = r["cpu_s"]
         window = r["window_s"]
         n = r["ok"] + r["errors_total"]
         per = (lambda s: s / n * 1e6) if n else (lambda s: None)
-        r["proxy_us_per_req"] = per(cpu["proxy"]) if "proxy" in cpu else None
+        watched = list(r["tree_pids"])
+        for name in watched:
+            r[f"{name}_us_per_req"] = per(cpu[name])
+            r[f"{name}_cores"] = cpu[name] / window
         r["pg_us_per_req"] = per(cpu["pg_own"])
         r["pg_all_us_per_req"] = per(cpu["pg_all"])
-        r["upstream_us_per_req"] = per(cpu["upstream"])
-        r["proxy_cores"] = cpu.get("proxy", 0.0) / window
         r["loadgen_cores"] = cpu["loadgen"] / window
-        known = cpu.get("proxy", 0.0) + cpu["upstream"] + cpu["loadgen"] + cpu["pg_all"]
+        known = sum(cpu[name] for name in watched) + cpu["loadgen"] + cpu["pg_all"]
         r["machine_cores"] = cpu["machine_busy"] / window
         r["other_cores"] = max(0.0, (cpu["machine_busy"] - known) / window)
 
@@ -341,8 +415,10 @@ def start_targets(bench: Bench, tmp: Path, cleanup: Cleanup, mitmdump: str | Non
             else:
                 if not affidavit:
                     raise StartError("no affidavit binary found (use --affidavit)")
-                db = "pg" if name == "affidavit-pg" else "sqlite"
-                target = services.start_affidavit(name, tmp, bench.pki, affidavit, bench.upstream, db)
+                db, workers = AFFIDAVIT_TARGETS[name]
+                target = services.start_affidavit(
+                    name, tmp, bench.pki, affidavit, bench.upstream, db, bench.args.workers if workers else 1
+                )
         except Exception as exc:  # noqa: BLE001 - report it; the other targets still run
             bench.failed[name] = f"did not start: {exc}"
             print(f"{LOUD}\nFAIL {name} did not start: {exc}\n{LOUD}", flush=True)
@@ -350,10 +426,31 @@ def start_targets(bench: Bench, tmp: Path, cleanup: Cleanup, mitmdump: str | Non
         bench.targets[name] = target
         if name != "direct":
             cleanup.push(f"stop {name}", lambda t=target: services.stop_target(t))
+        workers = f"  (supervisor of workers {target.info['worker_pids']})" if "worker_pids" in target.info else ""
         print(
-            f"  started {name:<17} pid {target.child.pid:<7} port {target.port:<6} in {time.monotonic() - t0:.1f}s",
+            f"  started {name:<{bench.name_w}} pid {target.child.pid:<7} port {target.port:<6} "
+            f"in {time.monotonic() - t0:.1f}s{workers}",
             flush=True,
         )
+
+
+def record_api_invocations(bench: Bench) -> None:
+    """--api: record ``--api-ids`` invocations through each target's proxy, to be read back."""
+    for name, target in list(bench.targets.items()):
+        before = bench.count(target)
+        try:
+            ids = api.record_invocations(target, bench.upstream, bench.args.api_ids)
+        except api.SeedError as exc:
+            log = services.tail(target.child.log, 15)
+            bench.failed[name] = f"could not record invocations: {exc}\n{log}"
+            print(f"{LOUD}\nFAIL {name}: could not record invocations: {exc}\n{log}\n{LOUD}", flush=True)
+            del bench.targets[name]
+            continue
+        bench.api_ids[name] = ids
+        if before is not None:
+            record = {"label": "recording invocations for --api"}
+            bench.check_journal(target, record, before, len(ids), f"{len(ids)} requests answered through the proxy")
+        print(f"  recorded {len(ids)} invocations through {name}", flush=True)
 
 
 def smoke(bench: Bench) -> None:
@@ -371,7 +468,10 @@ def smoke(bench: Bench) -> None:
                 print(f"{LOUD}\nFAIL {name} smoke test ({path}): {problem}\n{log}\n{LOUD}", flush=True)
                 del bench.targets[name]
                 break
-            print(f"  smoke {name:<17} {path:<5} ok ({r['ok']} requests, p50 {r['p50_ms']:.2f} ms)", flush=True)
+            print(
+                f"  smoke {name:<{bench.name_w}} {path:<5} ok ({r['ok']} requests, p50 {r['p50_ms']:.2f} ms)",
+                flush=True,
+            )
 
 
 def run_matrix(bench: Bench) -> None:
@@ -394,14 +494,15 @@ def run_matrix(bench: Bench) -> None:
                 r["round"] = rnd + 1
                 bench.runs.append(r)
                 elapsed = time.monotonic() - t0
-                head = f"[{done:>3}/{total}] {elapsed:5.0f}s  {label:<14} {name:<17}"
+                head = f"[{done:>3}/{total}] {elapsed:5.0f}s  {label:<14} {name:<{bench.name_w}}"
                 if "fatal" in r:
                     print(f"{head} FAILED: {r['fatal']}", flush=True)
                 else:
                     errs = f"  errors {r['errors']}" if r["errors"] else ""
+                    cpu = _cpu_name(path)
                     print(
                         f"{head} {r['rps']:8.0f} req/s  p50 {r['p50_ms'] or 0:7.2f} ms  p99 {r['p99_ms'] or 0:7.2f} ms"
-                        f"  proxy {_fmt(r['proxy_us_per_req'], 0):>5} us/req"
+                        f"  {cpu} {_fmt(r.get(f'{cpu}_us_per_req'), 0):>5} us/req"
                         f"  pg {_fmt(r['pg_us_per_req'], 0):>4} us/req"
                         f"  other {r['other_cores']:.2f} cores{errs}",
                         flush=True,
@@ -418,6 +519,15 @@ def run_matrix(bench: Bench) -> None:
 
 
 # -- report ------------------------------------------------------------------------------------
+
+
+def _name_width(names: Iterable[str]) -> int:
+    return max([16, *map(len, names)])
+
+
+def _cpu_name(path: str) -> str:
+    """Which watched process tree a run on ``path`` is about: the proxy, or the side API."""
+    return "api" if path == "api" else "proxy"
 
 
 def _fmt(v: float | None, digits: int = 2) -> str:
@@ -438,13 +548,13 @@ def summarize(bench: Bench) -> list[dict[str, Any]]:
         by_key.setdefault((r["path"], r["concurrency"], r["target"]), []).append(r)
     rows: list[dict[str, Any]] = []
     for path in a.paths:
+        cpu = _cpu_name(path)
         for conc in a.concurrency:
             bare = {r["round"]: r for r in by_key.get((path, conc, "bare"), [])}
             for name in a.targets:
                 runs = by_key.get((path, conc, name), [])
                 if not runs:
                     continue
-                paired = [(r, bare[r["round"]]) for r in runs if r["round"] in bare]
                 row: dict[str, Any] = {
                     "path": path,
                     "concurrency": conc,
@@ -453,50 +563,91 @@ def summarize(bench: Bench) -> list[dict[str, Any]]:
                     "rps": _median([r["rps"] for r in runs]),
                     "p50_ms": _median([r["p50_ms"] for r in runs]),
                     "p99_ms": _median([r["p99_ms"] for r in runs]),
-                    "proxy_us_per_req": _median([r["proxy_us_per_req"] for r in runs]),
+                    f"{cpu}_us_per_req": _median([r.get(f"{cpu}_us_per_req") for r in runs]),
+                    f"{cpu}_cores": _median([r.get(f"{cpu}_cores") for r in runs]),
                     "pg_us_per_req": _median([r["pg_us_per_req"] for r in runs]),
-                    "upstream_us_per_req": _median([r["upstream_us_per_req"] for r in runs]),
-                    "proxy_cores": _median([r["proxy_cores"] for r in runs]),
                     "loadgen_cores": _median([r["loadgen_cores"] for r in runs]),
                     "other_cores": _median([r["other_cores"] for r in runs]),
                     "errors": sum(r["errors_total"] for r in runs),
-                    "rps_vs_bare": _median([r["rps"] / b["rps"] for r, b in paired if b["rps"]]),
-                    "proxy_cpu_vs_bare": _median(
-                        [
-                            r["proxy_us_per_req"] / b["proxy_us_per_req"]
-                            for r, b in paired
-                            if r["proxy_us_per_req"] and b["proxy_us_per_req"]
-                        ]
-                    ),
-                    "added_p50_ms_vs_bare": _median(
-                        [
-                            r["p50_ms"] - b["p50_ms"]
-                            for r, b in paired
-                            if r["p50_ms"] is not None and b["p50_ms"] is not None
-                        ]
-                    )
-                    if conc == 1
-                    else None,
                 }
+                if path != "api":
+                    row["upstream_us_per_req"] = _median([r["upstream_us_per_req"] for r in runs])
+                    row.update(_vs_bare([(r, bare[r["round"]]) for r in runs if r["round"] in bare], conc))
                 rows.append(row)
     return rows
 
 
+def _vs_bare(paired: list[tuple[dict[str, Any], dict[str, Any]]], conc: int) -> dict[str, float | None]:
+    """A target's ratios to bare mitmdump, from (run, bare's run in the same round) pairs."""
+    return {
+        "rps_vs_bare": _median([r["rps"] / b["rps"] for r, b in paired if b["rps"]]),
+        "proxy_cpu_vs_bare": _median(
+            [
+                r["proxy_us_per_req"] / b["proxy_us_per_req"]
+                for r, b in paired
+                if r.get("proxy_us_per_req") and b["proxy_us_per_req"]
+            ]
+        ),
+        "added_p50_ms_vs_bare": _median(
+            [r["p50_ms"] - b["p50_ms"] for r, b in paired if r["p50_ms"] is not None and b["p50_ms"] is not None]
+        )
+        if conc == 1
+        else None,
+    }
+
+
+Column = tuple[str, int, Callable[[dict[str, Any]], str]]
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
-    cols: list[tuple[str, int, Callable[[dict[str, Any]], str]]] = [
-        ("path", 5, lambda r: r["path"]),
-        ("conc", 4, lambda r: str(r["concurrency"])),
-        ("target", 16, lambda r: r["target"]),
-        ("req/s", 7, lambda r: _fmt(r["rps"], 0)),
-        ("x bare", 6, lambda r: _fmt(r["rps_vs_bare"], 2)),
-        ("p50 ms", 7, lambda r: _fmt(r["p50_ms"], 2)),
-        ("p99 ms", 7, lambda r: _fmt(r["p99_ms"], 2)),
-        ("+p50 ms", 7, lambda r: _fmt(r["added_p50_ms_vs_bare"], 2)),
-        ("proxy us/req", 12, lambda r: _fmt(r["proxy_us_per_req"], 0)),
-        ("cpu x bare", 10, lambda r: _fmt(r["proxy_cpu_vs_bare"], 2)),
-        ("pg us/req", 9, lambda r: _fmt(r["pg_us_per_req"], 0)),
-        ("errors", 6, lambda r: str(r["errors"])),
-    ]
+    """The proxy matrix: one line per (path, concurrency, target), with the ratios to bare."""
+    print_rows(
+        rows,
+        [
+            ("path", 5, lambda r: r["path"]),
+            ("conc", 4, lambda r: str(r["concurrency"])),
+            ("target", _name_width(r["target"] for r in rows), lambda r: r["target"]),
+            ("req/s", 7, lambda r: _fmt(r["rps"], 0)),
+            ("x bare", 6, lambda r: _fmt(r["rps_vs_bare"], 2)),
+            ("p50 ms", 7, lambda r: _fmt(r["p50_ms"], 2)),
+            ("p99 ms", 7, lambda r: _fmt(r["p99_ms"], 2)),
+            ("+p50 ms", 7, lambda r: _fmt(r["added_p50_ms_vs_bare"], 2)),
+            ("proxy us/req", 12, lambda r: _fmt(r["proxy_us_per_req"], 0)),
+            ("cpu x bare", 10, lambda r: _fmt(r["proxy_cpu_vs_bare"], 2)),
+            ("pg us/req", 9, lambda r: _fmt(r["pg_us_per_req"], 0)),
+            ("errors", 6, lambda r: str(r["errors"])),
+        ],
+    )
+
+
+def print_api_table(rows: list[dict[str, Any]]) -> None:
+    """--api: one line per (concurrency, target), then whether the req/s goal is met."""
+    print_rows(
+        rows,
+        [
+            ("path", 5, lambda r: r["path"]),
+            ("conc", 4, lambda r: str(r["concurrency"])),
+            ("target", _name_width(r["target"] for r in rows), lambda r: r["target"]),
+            ("req/s", 7, lambda r: _fmt(r["rps"], 0)),
+            ("p50 ms", 7, lambda r: _fmt(r["p50_ms"], 2)),
+            ("p99 ms", 7, lambda r: _fmt(r["p99_ms"], 2)),
+            ("api us/req", 10, lambda r: _fmt(r["api_us_per_req"], 0)),
+            ("api cores", 9, lambda r: _fmt(r["api_cores"], 2)),
+            ("pg us/req", 9, lambda r: _fmt(r["pg_us_per_req"], 0)),
+            ("errors", 6, lambda r: str(r["errors"])),
+        ],
+    )
+    for r in rows:
+        if r["concurrency"] == api.GOAL_CONCURRENCY:
+            verdict = "met" if r["rps"] >= api.GOAL_RPS else "NOT met"
+            print(
+                f"goal >= {api.GOAL_RPS:.0f} req/s at concurrency {api.GOAL_CONCURRENCY}: "
+                f"{r['target']} {r['rps']:.0f} req/s, {verdict}"
+            )
+
+
+def print_rows(rows: list[dict[str, Any]], cols: list[Column]) -> None:
+    """Left-aligned key columns (the first three), right-aligned figures; a blank line between cells."""
     header = "  ".join(f"{name:>{w}}" if i > 2 else f"{name:<{w}}" for i, (name, w, _) in enumerate(cols))
     print(header)
     print("-" * len(header))
@@ -519,9 +670,15 @@ def main(argv: list[str] | None = None) -> int:
         f"affidavit {meta['affidavit']} (commit {meta['git_commit'] or '-'}{'+dirty' if meta['git_dirty'] else ''}, "
         f"source {meta['proxy_source_sha256']}), load {meta['loadavg_at_start'][0]:.2f}"
     )
+    what = (
+        f"side API: GET /v1/invocations/{{id}}/result over {args.api_ids} recorded ids"
+        if args.api
+        else f"matrix: paths {','.join(args.paths)}"
+    )
     print(
-        f"matrix: paths {','.join(args.paths)} x concurrency {','.join(map(str, args.concurrency))} x "
-        f"targets {','.join(args.targets)}; {args.rounds} round(s) of {args.warmup:g}s warm-up + {args.duration:g}s",
+        f"{what} x concurrency {','.join(map(str, args.concurrency))} x targets {','.join(args.targets)}"
+        f"{f' (--workers {args.workers})' if any(t.endswith('-workers') for t in args.targets) else ''}; "
+        f"{args.rounds} round(s) of {args.warmup:g}s warm-up + {args.duration:g}s",
         flush=True,
     )
 
@@ -541,8 +698,10 @@ def main(argv: list[str] | None = None) -> int:
         meta["upstream"] = {"kind": upstream.kind, "version": upstream.version}
         bench = Bench(args, pki, upstream)
         start_targets(bench, tmp, cleanup, mitmdump, affidavit)
+        if args.api:
+            record_api_invocations(bench)
         smoke(bench)
-        if "bare" not in bench.targets:
+        if "bare" not in bench.targets and not args.api:
             print("note: bare mitmdump is not running, so there are no ratios against it")
         run_matrix(bench)
     except KeyboardInterrupt:
@@ -560,8 +719,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130 if interrupted else 2
     rows = summarize(bench)
     print()
-    print(f"medians over {args.rounds} round(s); 'x bare' and '+p50' are paired with bare in the same round")
-    print_table(rows)
+    if args.api:
+        print(f"medians over {args.rounds} round(s); every response a 200 with '{api.REPLAYED_HEADER}'")
+        print_api_table(rows)
+    else:
+        print(f"medians over {args.rounds} round(s); 'x bare' and '+p50' are paired with bare in the same round")
+        print_table(rows)
     noise = [r["other_cores"] for r in bench.runs if "other_cores" in r]
     if noise:
         median, top = statistics.median(noise), max(noise)

@@ -12,6 +12,7 @@ import asyncio
 import datetime as dt
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -375,6 +376,8 @@ class Target:
     count_invocations: Callable[[], int] | None = None
     pg_database: str | None = None
     info: dict[str, str] = field(default_factory=dict)
+    api_port: int | None = None  # Affidavit's side API (``[api] listen``)
+    processes: int = 1  # the size of its process tree: 1 + N under ``--workers N``
 
 
 def start_bare(tmp: Path, pki: Pki, mitmdump: str) -> Target:
@@ -406,8 +409,12 @@ AGENT = "bench"
 TOKEN = secrets.token_urlsafe(18)
 
 
-def start_affidavit(name: str, tmp: Path, pki: Pki, affidavit: str, upstream: Upstream, database: str) -> Target:
-    """``affidavit run -c <generated config>``; ``database`` is "pg" or "sqlite".
+def start_affidavit(
+    name: str, tmp: Path, pki: Pki, affidavit: str, upstream: Upstream, database: str, workers: int = 1
+) -> Target:
+    """``affidavit run -c <generated config>``; ``database`` is "pg" or "sqlite". With
+    ``workers`` > 1, ``affidavit run --workers N``: a supervisor and N worker processes sharing
+    the ports; it is ready once it printed the banner and the workers' pids.
 
     The PostgreSQL database is created here and dropped by :func:`stop_target`."""
     home = tmp / name
@@ -465,17 +472,24 @@ agents = ["{AGENT}"]
     env["AFFIDAVIT_BENCH_TOKEN"] = token
     env["AFFIDAVIT_BENCH_OPERATOR"] = secrets.token_urlsafe(18)
     env["PYTHONUNBUFFERED"] = "1"
-    child = spawn(name, [affidavit, "run", "-c", str(config)], home / "broker.log", env=env, cwd=home)
-    target = Target(name, port, confdir / "mitmproxy-ca-cert.pem", child, pg_database=pg_name)
+    argv = [affidavit, "run", "-c", str(config), *(["--workers", str(workers)] if workers > 1 else [])]
+    child = spawn(name, argv, home / "broker.log", env=env, cwd=home)
+    target = Target(name, port, confdir / "mitmproxy-ca-cert.pem", child, pg_database=pg_name, api_port=api_port)
+    target.processes = 1 + workers if workers > 1 else 1  # the supervisor and its workers
     if pg_name is not None:
         target.count_invocations = lambda: count_invocations_pg(pg_name)
     else:
         db_file = home / "bench.db"
         target.count_invocations = lambda: count_invocations_sqlite(db_file)
-    target.info = {"config": str(config), "database": url}
+    target.info = {"config": str(config), "database": url, "argv": " ".join(argv)}
+    if workers == 1:
+        what, banner = "'proxy listening on' banner", re.compile("proxy listening on")
+    else:
+        what = f"'{workers} workers share these ports (pids ...)' line"
+        banner = re.compile(rf"affidavit: {workers} workers share these ports \(pids ([\d, ]+)\)")
 
     def ready() -> bool:
-        if "proxy listening on" not in child.log.read_text(errors="replace"):
+        if not banner.search(child.log.read_text(errors="replace")):
             return False
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{api_port}/readyz", timeout=2) as resp:
@@ -484,10 +498,14 @@ agents = ["{AGENT}"]
             return False
 
     try:
-        wait_until(ready, child, 90, "'proxy listening on' banner and /readyz 200")
+        wait_until(ready, child, 90, f"{what} and /readyz 200")
     except BaseException:
         stop_target(target)
         raise
+    if workers > 1:
+        line = banner.search(child.log.read_text(errors="replace"))
+        assert line is not None  # ready() saw it
+        target.info["worker_pids"] = line.group(1)
     return target
 
 
