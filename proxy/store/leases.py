@@ -53,23 +53,34 @@ async def take_lease(
 
 
 class ReplayTally:
-    """``invocations.replays``, counted in memory and added in batches: one transaction for all
-    the replays served meanwhile, not one per replay. The count is a statistic, not evidence:
-    counts not yet written when the process dies are lost (at most one batch)."""
+    """``invocations.replays``, counted in memory and added in batches: one transaction per
+    ``interval`` for all the replays served meanwhile, not one per replay (at one request at a
+    time, an UPDATE per replay cost more than the replay itself). The count is a statistic, not
+    evidence: it lags by up to ``interval``, and counts not yet written when the process is
+    killed are lost."""
 
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: AsyncEngine, interval: float = 0.5):
         self.engine = engine
+        self.interval = interval
         self._pending: Counter[str] = Counter()
         self._task: asyncio.Task[None] | None = None
+        self._hurry = asyncio.Event()
 
     def add(self, invocation_id: str) -> None:
         self._pending[invocation_id] += 1
         if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._drain())
+            self._task = asyncio.create_task(self._drain(), name="affidavit replay counts")
+
+    async def _pause(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._hurry.wait(), seconds)
+        except TimeoutError:
+            pass
 
     async def _drain(self) -> None:
         failures = 0
         while self._pending:
+            await self._pause(self.interval)  # gather what is served meanwhile
             batch, self._pending = self._pending, Counter()
             try:
                 await add_replays(self.engine, batch)
@@ -77,13 +88,15 @@ class ReplayTally:
             except Exception as exc:  # the database is away: keep the counts, try again shortly
                 self._pending.update(batch)
                 failures += 1
-                if failures >= 30:
+                if failures >= 30 or self._hurry.is_set():
                     log.warning("dropped %d replay counts: %s", sum(self._pending.values()), exc)
                     self._pending.clear()
                     return
-                await asyncio.sleep(1.0)
+                await self._pause(1.0)
 
     async def flush(self) -> None:
+        """Write what is pending now (at a stop); one try if the database is away."""
+        self._hurry.set()
         if self._task is not None:
             await self._task
         if self._pending:
