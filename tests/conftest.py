@@ -194,6 +194,22 @@ def broker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     process.stop()
 
 
+_MEASUREMENTS: list[str] = []
+
+
+@pytest.fixture
+def report() -> Callable[[str], None]:
+    """``report(line)``: a measurement printed in the run's summary (not hidden by capture)."""
+    return _MEASUREMENTS.append
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _MEASUREMENTS:
+        terminalreporter.section("affidavit measurements")
+        for line in _MEASUREMENTS:
+            terminalreporter.write_line(line)
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     url = server_url()
     return f"affidavit: PostgreSQL for tests at {url.split('@')[-1]} ({'up' if server_available(url) else 'DOWN'})"

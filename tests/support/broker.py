@@ -22,7 +22,17 @@ from typing import Any
 import httpx
 import tomli_w
 
+from .envelopes import check_envelope
+
 AFFIDAVIT = str(Path(sys.executable).with_name("affidavit"))
+
+
+def validate_envelopes(response: httpx.Response) -> None:
+    """An httpx response hook: a broker-originated failure (it names its ``Affidavit-Code``) must be
+    a valid envelope, whatever the test goes on to check. Upstream answers pass untouched."""
+    if "affidavit-code" in response.headers and response.headers.get("content-type", "").startswith("application/problem+json"):
+        response.read()
+        check_envelope(response.content)
 
 
 def free_port() -> int:
@@ -158,13 +168,16 @@ class BrokerProcess:
     # -- clients -----------------------------------------------------------------------
 
     def client(self, agent: str = "builder", token: str | None = None, **kwargs: Any) -> httpx.Client:
-        """An httpx client that goes through the broker and trusts its CA."""
+        """An httpx client that goes through the broker and trusts its CA. Every envelope it
+        receives is checked against the schema (see :func:`validate_envelopes`)."""
         verify = ssl.create_default_context(cafile=str(self.ca_path))
-        return httpx.Client(proxy=self.proxy_url(agent, token), verify=verify, timeout=kwargs.pop("timeout", 20), **kwargs)
+        return httpx.Client(proxy=self.proxy_url(agent, token), verify=verify, timeout=kwargs.pop("timeout", 20),
+                            event_hooks={"response": [validate_envelopes]}, **kwargs)
 
     def api(self, token: str | None = None) -> httpx.Client:
         token = token if token is not None else self.agents["builder"].token
-        return httpx.Client(base_url=self.api_url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        return httpx.Client(base_url=self.api_url, headers={"Authorization": f"Bearer {token}"}, timeout=10,
+                            event_hooks={"response": [validate_envelopes]})
 
     def operator(self) -> httpx.Client:
         return self.api(self.operator_token)

@@ -1,4 +1,6 @@
-"""Every envelope the suite receives is checked against docs/envelope.schema.json."""
+"""Every envelope the suite receives is checked against docs/envelope.schema.json: tests call
+:func:`check_envelope` on what they inspect, and the httpx clients of tests/support/broker.py
+check every broker-originated failure they receive, whether the test looks at it or not."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import jsonschema
 SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "docs" / "envelope.schema.json").read_text())
 _VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
 
-#: How many envelopes were validated in this run (tests/test_zz_envelopes.py checks it grew).
+#: The codes of the envelopes validated in this run.
 VALIDATED: list[str] = []
 
 
