@@ -509,7 +509,7 @@ class Broker:
     async def _repeat(self, row: dict[str, Any], req: AgentRequest, route: Route, request_fingerprint: str, key: str) -> Reply:
         """The agent sent a key this broker (or another) has seen: replay, re-send or refuse."""
         for _ in range(3):
-            event_rows, events = await queries.events_of(self.journal.engine, row["invocation_id"], self.journal.decode_payload)
+            _, events = await queries.events_of(self.journal.engine, row["invocation_id"], self.journal.decode_payload)
             record = project(events)
             if record.stage in (Stage.HELD, Stage.APPROVED):
                 return await self._repeat_held(row, record, req, route, request_fingerprint, key)
@@ -533,9 +533,10 @@ class Broker:
                     f"Invocation {row['invocation_id']} with this key is still in progress. Nothing was sent. "
                     "Ask again later, or GET /v1/invocations/{id}.",
                 )
-            if action is NextAction.RETRY_WHEN_ALLOWED and not _retry_after_elapsed(event_rows, record, now):
-                return await self._replay(row, record)
-            if action in (NextAction.FETCH_RESULT, NextAction.RETURN_RECORDED_RESULT):
+            # A complete refusal with Retry-After is this key's answer, before and after the delay:
+            # the key names one recorded exchange, and the refusal proves nothing happened, so
+            # the agent tries again later as a new operation (a new key). Never re-sent from here.
+            if action in (NextAction.FETCH_RESULT, NextAction.RETURN_RECORDED_RESULT, NextAction.RETRY_WHEN_ALLOWED):
                 return await self._replay(row, record)
             if action is NextAction.RECONCILE:
                 reason = "its idempotency retention has run out" if row["remote_contract"] else "the route declares no remote idempotency contract"
@@ -1178,16 +1179,6 @@ def evidence_from(record: Record | None, identity: Identity, *, timed_out: bool 
             "remote_contract": "configured" if identity.remote_contract else "none",
         }
     return evidence
-
-
-def _retry_after_elapsed(event_rows: list[dict[str, Any]], record: Record, now: datetime) -> bool:
-    """For a refusal with Retry-After: has the delay passed since the refusal was recorded?"""
-    if record.retry_after is None:
-        return True
-    complete = next((r for r in reversed(event_rows) if r["kind"] == EventKind.REMOTE_RESPONSE_COMPLETE.value), None)
-    if complete is None:
-        return False
-    return now >= _aware(complete["at"]) + timedelta(seconds=record.retry_after)
 
 
 def _provisional_end(entry: InvocationLog) -> tuple[Outcome, Retry]:

@@ -411,10 +411,13 @@ class Records(Protocol):
 
 
 class Step(StrEnum):
-    """The five things a caller can do after a failure."""
+    """The six things a caller can do after a failure."""
 
     FETCH_RESULT = "fetch_result"  # GET .../result; never re-send
     RETRY_SAME_KEY = "retry_same_key"  # the identical request with the same key, after ``delay``
+    # The remote refused it completely (no effect) and said when to come back: after ``delay``,
+    # send it again as a new operation, with a new key (the old key replays the refusal).
+    RETRY_NEW_KEY = "retry_new_key"
     WAIT = "wait"  # still in flight: ask the side API again after ``delay``
     RECONCILE = "reconcile"  # stop: the effect may have happened; find out what did
     CORRECT = "correct"  # stop: fix the request, route, token or credential
@@ -435,7 +438,7 @@ _BY_NEXT_ACTION: dict[NextAction, Step] = {
     NextAction.RETURN_RECORDED_RESULT: Step.FETCH_RESULT,
     NextAction.RETRY_NEW_ATTEMPT: Step.RETRY_SAME_KEY,
     NextAction.RETRY_SAME_KEY: Step.RETRY_SAME_KEY,
-    NextAction.RETRY_WHEN_ALLOWED: Step.RETRY_SAME_KEY,
+    NextAction.RETRY_WHEN_ALLOWED: Step.RETRY_NEW_KEY,
     NextAction.RECONCILE: Step.RECONCILE,
     NextAction.STOP_FOR_CORRECTION: Step.CORRECT,
     NextAction.WAIT: Step.WAIT,
@@ -565,7 +568,9 @@ def call_with_recovery(
                 pause(what.delay)
                 invocation = api.invocation(envelope.invocation_id)
                 what = after_failure(invocation)
-        if what.step is Step.FETCH_RESULT:
+        if what.step in (Step.FETCH_RESULT, Step.RETRY_NEW_KEY):
+            # RETRY_NEW_KEY: the recorded refusal is the answer to this key; a new operation is
+            # the caller's decision (this function never invents a key).
             assert what.invocation_id is not None
             try:
                 return api.result(what.invocation_id)

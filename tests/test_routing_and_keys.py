@@ -1,0 +1,439 @@
+"""Route matching, file secrets and idempotency keys, through real broker processes.
+
+Every test checks three things: what the agent was answered (response or envelope), what the
+side API records, and what the hostile upstream actually received and applied.
+Runs once per journal dialect through the module-scoped ``broker``; tests that need their own
+configuration (failpoints, a custom key header) start one with ``make_broker``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+import tomli_w
+
+from proxy.fingerprint import fingerprint, normalized_target
+from tests.conftest import DIALECTS, module_broker
+from tests.support.broker import BrokerProcess
+from tests.support.certs import TestPKI
+from tests.support.envelopes import check_envelope
+from tests.support.hostile import HostileUpstream
+from tests.support.journal import dispatched_ids, dump_journal, query
+
+FILE_SECRET = "file-key"
+
+
+def key_routes(up: HostileUpstream) -> list[dict[str, Any]]:
+    good = f"127.0.0.1:{up.tls_port('good')}"
+    plain = f"127.0.0.1:{up.http_port}"
+
+    def pin(name: str, host: str, port: int, target: str) -> dict[str, Any]:
+        # A route nobody's request can match (reviewer only, a path no test uses) whose only job
+        # is its connect_to: pins are per (host, port) across routes (docs/configuration.md), so a
+        # request a wildcard route lets through reaches the hostile upstream instead of DNS, and a
+        # request wrongly let through would show up in ``upstream.received``.
+        return {"name": name, "host": host, "port": port, "path": "/__pin_only__", "agents": ["reviewer"], "connect_to": target}
+
+    return [
+        {"name": "wild", "host": "*.wild.test", "port": 80, "scheme": "http", "methods": ["GET"], "agents": ["builder"]},
+        pin("pin-a", "a.wild.test", 80, plain),
+        pin("pin-bc", "b.c.wild.test", 80, plain),
+        pin("pin-bare", "wild.test", 80, plain),
+        pin("pin-x", "xwild.test", 80, plain),
+        {"name": "glob", "host": "glob.example.test", "path": "/v1/charges*", "methods": ["GET", "POST"],
+         "agents": ["builder"], "connect_to": good},
+        pin("pin-glob-8443", "glob.example.test", 8443, good),
+        {"name": "filesecret", "host": "file.example.test", "methods": ["GET"], "agents": ["builder"],
+         "credential": FILE_SECRET, "inject": {"header": "X-Api-Key", "value": "Token {secret}"}, "connect_to": good},
+        {"name": "keys-a", "host": "keys-a.example.test", "methods": ["POST"], "agents": ["builder", "reviewer"], "connect_to": good},
+        {"name": "keys-b", "host": "keys-b.example.test", "methods": ["POST"], "agents": ["builder"], "connect_to": good},
+        {"name": "shared-1", "host": "shared-1.example.test", "methods": ["POST"], "agents": ["builder"], "connect_to": good,
+         "idempotency": {"header": "Idempotency-Key", "scope": "shared", "retention": "1h"}},
+        {"name": "shared-2", "host": "shared-2.example.test", "methods": ["POST"], "agents": ["builder"], "connect_to": good,
+         "idempotency": {"header": "Idempotency-Key", "scope": "shared", "retention": "1h"}},
+        {"name": "durable", "host": "durable.example.test", "methods": ["POST"], "agents": ["builder"], "connect_to": good,
+         "idempotency": {"header": "Idempotency-Key", "scope": "durable-scope", "retention": "2h"}},
+        {"name": "rej", "host": "rej.example.test", "methods": ["POST"], "agents": ["builder"], "connect_to": good},
+        {"name": "rej-idem", "host": "rej-idem.example.test", "methods": ["POST"], "idempotent": True,
+         "agents": ["builder"], "connect_to": good},
+    ]
+
+
+def secret_path(broker: BrokerProcess) -> Path:
+    return broker.workdir / "secrets" / FILE_SECRET
+
+
+def started(make_broker, dialect: str, up: HostileUpstream, **kwargs: Any) -> BrokerProcess:
+    """A broker of its own (``make_broker``) with the routes and the ``file:`` secret of this module."""
+    return with_file_secret(make_broker(dialect, routes=key_routes(up), start=False, **kwargs)).start()
+
+
+def with_file_secret(broker: BrokerProcess) -> BrokerProcess:
+    """Add the ``file:`` secret to a not-yet-started broker's configuration (absolute path)."""
+    secret_path(broker).parent.mkdir(parents=True, exist_ok=True)
+    broker.config["secrets"].append({"name": FILE_SECRET, "from": f"file:{secret_path(broker)}"})
+    broker.config_path.write_text(tomli_w.dumps(broker.config))
+    return broker
+
+
+@pytest.fixture(scope="module", params=DIALECTS)
+def broker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, pki: TestPKI,
+           upstream_server: HostileUpstream) -> Iterator[BrokerProcess]:
+    yield from module_broker(request, tmp_path_factory, pki, key_routes(upstream_server), name="routing",
+                             prepare=with_file_secret)
+
+
+@pytest.fixture(scope="module")
+def custom_header_broker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, pki: TestPKI,
+                         upstream_server: HostileUpstream) -> Iterator[BrokerProcess]:
+    """One SQLite broker whose ``[proxy] idempotency_header`` is ``X-Operation-Key``."""
+    yield from module_broker(request, tmp_path_factory, pki, key_routes(upstream_server), name="routing-custom-header",
+                             dialect="sqlite", prepare=with_file_secret, proxy={"idempotency_header": "X-Operation-Key"})
+
+
+def key() -> str:
+    return "k_" + secrets.token_hex(8)
+
+
+def sent(up: HostileUpstream) -> list:
+    return [r for r in up.received if r.method]
+
+
+def post(client: httpx.Client, url: str, headers: dict[str, str] | None = None, body: bytes = b'{"amount":100}') -> httpx.Response:
+    return client.post(url, content=body, headers={"Content-Type": "application/json", **(headers or {})})
+
+
+def refused(broker: BrokerProcess, response: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    """A validation refusal: the envelope, its headers, and the record agree that nothing was sent."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    body = check_envelope(response.content)
+    assert (body["error"]["phase"], body["error"]["outcome"], body["error"]["code"]) == ("validation", "not_attempted", code)
+    assert body["evidence"]["dispatch_started"] is False
+    assert response.headers["affidavit-outcome"] == "not_attempted"
+    assert body["invocation_id"] == response.headers["affidavit-invocation-id"]
+    record = broker.invocation(body["invocation_id"])
+    assert (record["outcome"], record["code"], record["route"]) == ("not_attempted", code, None)
+    assert "DISPATCH_STARTED" not in [e["kind"] for e in record["events"]]
+    return body
+
+
+# -- 1. route matching -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["a.wild.test", "b.c.wild.test", "A.Wild.TEST"])
+def test_a_wildcard_route_matches_subdomains_at_any_depth(broker, upstream, host):
+    with broker.client() as client:
+        r = client.get(f"http://{host}/h/ok")
+    assert r.status_code == 200, r.text
+    assert r.headers["affidavit-outcome"] == "committed"
+    record = broker.invocation(r.headers["affidavit-invocation-id"])
+    assert record["route"] == "wild" and record["outcome"] == "committed"
+    assert record["target"] == f"http://{host.lower()}:80/h/ok"
+    [seen] = sent(upstream)
+    assert seen.tls is None and seen.path == "/h/ok"
+    assert seen.header("Host").lower() == host.lower()
+    assert upstream.effects == 1
+
+
+@pytest.mark.parametrize("host", ["wild.test", "xwild.test", "wild.test.evil.test"])
+def test_a_wildcard_route_does_not_match_the_bare_suffix_or_a_lookalike(broker, upstream, host):
+    with broker.client() as client:
+        r = client.get(f"http://{host}/h/ok")
+    refused(broker, r, 403, "INVALID_TARGET")
+    assert sent(upstream) == []
+
+
+def test_a_path_glob_matches_across_slashes_and_ignores_the_query(broker, upstream):
+    with broker.client() as client:
+        deep = client.get("https://glob.example.test/v1/charges/ch_1/refunds")
+        query_ = client.get("https://glob.example.test/v1/charges?next=/v2/x")
+    assert deep.status_code == 200 and query_.status_code == 200
+    assert [r.path for r in sent(upstream)] == ["/v1/charges/ch_1/refunds", "/v1/charges?next=/v2/x"]
+    assert broker.invocation(deep.headers["affidavit-invocation-id"])["route"] == "glob"
+
+
+@pytest.mark.parametrize("url", [
+    "https://glob.example.test/v2/charges",
+    "https://glob.example.test/V1/charges",  # the glob is case-sensitive (fnmatchcase)
+    "https://glob.example.test/h/ok?p=/v1/charges",  # the query is not part of the matched path
+])
+def test_a_path_outside_the_glob_is_an_invalid_target(broker, upstream, url):
+    with broker.client() as client:
+        for method in ("GET", "POST"):
+            refused(broker, client.request(method, url, content=b"{}" if method == "POST" else None), 403, "INVALID_TARGET")
+    assert sent(upstream) == []
+
+
+def test_another_port_is_an_invalid_target(broker, upstream):
+    with broker.client() as client:
+        r = client.get("https://glob.example.test:8443/v1/charges")
+    body = refused(broker, r, 403, "INVALID_TARGET")
+    assert broker.invocation(body["invocation_id"])["target"] == "https://glob.example.test:8443/v1/charges"
+    assert sent(upstream) == []
+
+
+# -- 2. a file: secret ---------------------------------------------------------------------------
+
+
+def test_a_file_secret_is_read_at_use_injected_and_never_shown(broker, upstream):
+    path = secret_path(broker)
+    values = ["fk_canary_" + secrets.token_hex(12), "fk_canary_" + secrets.token_hex(12)]
+    answers, versions = [], []
+    for value in values:  # the second value replaces the first without a restart
+        path.write_text(f"  {value}\n")  # surrounding whitespace is trimmed (docs/configuration.md)
+        versions.append(f"file-{path.stat().st_mtime_ns}")
+        with broker.client() as client:
+            r = client.get("https://file.example.test/h/ok")
+        assert r.status_code == 200, r.text
+        answers.append(r)
+        time.sleep(0.02)  # a distinct modification time for the second version
+    assert [s.header("X-Api-Key") for s in sent(upstream)] == [f"Token {v}" for v in values]
+    texts = []
+    for value, version, r in zip(values, versions, answers):
+        invocation_id = r.headers["affidavit-invocation-id"]
+        assert value not in r.text and "[REDACTED]" in r.text  # the upstream echoed it; the agent never sees it
+        record = broker.wait_for(invocation_id, lambda rec: rec["stage"] == "delivered")
+        assert record["credential"] == {"id": FILE_SECRET, "version": version, "injection": "header"}
+        with broker.api() as api:
+            texts += [api.get(f"/v1/invocations/{invocation_id}").text, api.get(f"/v1/invocations/{invocation_id}/result").text]
+        with broker.operator() as api:
+            texts.append(api.get(f"/v1/invocations/{invocation_id}").text)
+            texts.append(api.get("/v1/invocations", params={"route": "filesecret"}).text)
+    assert versions[0] != versions[1]
+    haystack = "\n".join(texts) + dump_journal(broker.database_url) + broker.logs()
+    assert FILE_SECRET in haystack
+    for value in values:
+        assert value not in haystack
+
+
+# -- 4. keys are scoped by (agent, scope, key) ----------------------------------------------------
+
+
+def test_two_agents_with_one_key_on_one_route_get_two_invocations(broker, upstream):
+    k = key()
+    url = "https://keys-a.example.test/h/idem_ignore?code=201"
+    answers = {}
+    for agent in ("builder", "reviewer"):
+        with broker.client(agent) as client:
+            first = post(client, url, {"Idempotency-Key": k})
+            again = post(client, url, {"Idempotency-Key": k})
+        assert first.status_code == again.status_code == 201
+        assert "affidavit-replayed" not in first.headers and again.headers["affidavit-replayed"] == "true"
+        assert again.headers["affidavit-invocation-id"] == first.headers["affidavit-invocation-id"]
+        answers[agent] = first
+    ids = {agent: r.headers["affidavit-invocation-id"] for agent, r in answers.items()}
+    assert ids["builder"] != ids["reviewer"]
+    assert upstream.effects_by_key[k] == 2 and len(sent(upstream)) == 2
+    for agent, invocation_id in ids.items():
+        record = broker.invocation(invocation_id, broker.agents[agent].token)
+        assert record["agent"] == agent and record["outcome"] == "committed"
+        assert (record["idempotency"]["key"], record["idempotency"]["scope"]) == (k, "keys-a")
+    # Each agent's view is its own: the other's invocation does not exist for it.
+    with broker.api(broker.agents["reviewer"].token) as api:
+        assert api.get(f"/v1/invocations/{ids['builder']}").status_code == 404
+
+
+def test_one_key_on_two_routes_with_different_scopes_gets_two_invocations(broker, upstream):
+    k = key()
+    with broker.client() as client:
+        a = post(client, "https://keys-a.example.test/h/idem_ignore?code=201", {"Idempotency-Key": k})
+        b = post(client, "https://keys-b.example.test/h/idem_ignore?code=201", {"Idempotency-Key": k})
+        a2 = post(client, "https://keys-a.example.test/h/idem_ignore?code=201", {"Idempotency-Key": k})
+        b2 = post(client, "https://keys-b.example.test/h/idem_ignore?code=201", {"Idempotency-Key": k})
+    assert [r.status_code for r in (a, b, a2, b2)] == [201] * 4
+    assert "affidavit-replayed" not in a.headers and "affidavit-replayed" not in b.headers
+    assert a2.headers["affidavit-replayed"] == b2.headers["affidavit-replayed"] == "true"
+    assert a.headers["affidavit-invocation-id"] != b.headers["affidavit-invocation-id"]
+    assert a2.headers["affidavit-invocation-id"] == a.headers["affidavit-invocation-id"]
+    assert b2.headers["affidavit-invocation-id"] == b.headers["affidavit-invocation-id"]
+    assert upstream.effects_by_key[k] == 2 and len(sent(upstream)) == 2
+    scopes = [broker.invocation(r.headers["affidavit-invocation-id"])["idempotency"]["scope"] for r in (a, b)]
+    assert scopes == ["keys-a", "keys-b"]
+
+
+def test_routes_that_share_a_scope_share_keys(broker, upstream):
+    k = key()
+    with broker.client() as client:
+        first = post(client, "https://shared-1.example.test/h/idem_honour?code=201", {"Idempotency-Key": k})
+        other = post(client, "https://shared-2.example.test/h/idem_honour?code=201", {"Idempotency-Key": k})
+    assert first.status_code == 201
+    body = check_envelope(other.content)
+    assert other.status_code == 422 and body["error"]["code"] == "IDEMPOTENCY_MISMATCH"
+    assert body["error"]["outcome"] == "not_attempted"
+    assert body["invocation_id"] == first.headers["affidavit-invocation-id"]
+    assert len(sent(upstream)) == 1 and upstream.effects_by_key[k] == 1
+    assert broker.invocation(body["invocation_id"])["idempotency"]["scope"] == "shared"
+
+
+# -- 6. rejected results ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("code", [422, 400])
+def test_a_complete_client_error_is_rejected_and_replayed(broker, upstream, code):
+    k = key()
+    url = f"https://rej.example.test/h/status?code={code}"
+    with broker.client() as client:
+        first = post(client, url, {"Idempotency-Key": k})
+        again = post(client, url, {"Idempotency-Key": k})
+    assert first.status_code == again.status_code == code
+    assert first.headers["affidavit-outcome"] == again.headers["affidavit-outcome"] == "rejected"
+    assert "affidavit-replayed" not in first.headers and again.headers["affidavit-replayed"] == "true"
+    assert again.content == first.content and json.loads(first.content) == {"status": code, "effects": 1}
+    assert again.headers["affidavit-invocation-id"] == first.headers["affidavit-invocation-id"]
+    assert upstream.effects == 1 and len(sent(upstream)) == 1
+    record = broker.wait_for(first.headers["affidavit-invocation-id"], lambda r: r["replays"] >= 1)
+    assert (record["outcome"], record["retry"], record["next_action"]) == ("rejected", "after_correction", "return_recorded_result")
+    assert record["evidence"]["status"] == code and record["result_available"] is True
+
+
+def test_a_429_on_a_non_idempotent_post_is_replayed_even_after_retry_after(broker, upstream):
+    k = key()
+    url = "https://rej.example.test/h/status?code=429&retry_after=1"
+    with broker.client() as client:
+        first = post(client, url, {"Idempotency-Key": k})
+        record = broker.wait_for(first.headers["affidavit-invocation-id"], lambda r: r["stage"] == "delivered")
+        assert (record["outcome"], record["retry"], record["next_action"]) == ("rejected", "never", "return_recorded_result")
+        time.sleep(1.3)
+        late = post(client, url, {"Idempotency-Key": k})
+    assert first.status_code == late.status_code == 429
+    assert late.headers["affidavit-replayed"] == "true" and late.headers["retry-after"] == "1"
+    assert upstream.effects == 1 and len(sent(upstream)) == 1
+
+
+def test_a_429_with_retry_after_on_an_idempotent_route_is_the_keys_answer_and_a_new_key_tries_again(broker, upstream):
+    k = key()
+    url = "https://rej-idem.example.test/h/status?code=429&retry_after=1"
+    with broker.client() as client:
+        first = post(client, url, {"Idempotency-Key": k})
+        invocation_id = first.headers["affidavit-invocation-id"]
+        record = broker.wait_for(invocation_id, lambda r: r["stage"] == "delivered")
+        assert (record["outcome"], record["retry"], record["next_action"]) == ("rejected", "backoff", "retry_when_allowed")
+        assert record["evidence"]["retry_after"] == 1
+        early = post(client, url, {"Idempotency-Key": k})
+        time.sleep(1.3)
+        later = post(client, url, {"Idempotency-Key": k})
+        assert first.status_code == early.status_code == later.status_code == 429
+        for repeat in (early, later):
+            assert repeat.headers["affidavit-replayed"] == "true" and repeat.content == first.content
+            assert repeat.headers["affidavit-invocation-id"] == invocation_id
+        assert upstream.effects == 1 and len(sent(upstream)) == 1, "the key's repeats never reach the upstream"
+        fresh = post(client, url, {"Idempotency-Key": key()})
+    assert fresh.status_code == 429 and "affidavit-replayed" not in fresh.headers
+    assert fresh.headers["affidavit-invocation-id"] != invocation_id
+    assert upstream.effects == 2 and len(sent(upstream)) == 2
+    record = broker.wait_for(invocation_id, lambda r: r["replays"] >= 2)
+    assert [e["kind"] for e in record["events"]].count("DISPATCH_STARTED") == 1
+    assert record["retry_budget"]["used"] == 0, "a replay takes no lease and spends no budget"
+
+
+# -- 3. a custom idempotency header ---------------------------------------------------------------
+
+
+def test_a_custom_idempotency_header_is_the_only_key(custom_header_broker, upstream):
+    broker = custom_header_broker
+    k, plain = key(), key()
+    url = "https://keys-a.example.test/h/idem_ignore?code=201&header=X-Operation-Key"
+    with broker.client() as client:
+        first = post(client, url, {"X-Operation-Key": k})
+        again = post(client, url, {"X-Operation-Key": k})
+    assert first.status_code == again.status_code == 201
+    assert again.headers["affidavit-replayed"] == "true" and again.content == first.content
+    assert upstream.effects_by_key[k] == 1
+    record = broker.invocation(first.headers["affidavit-invocation-id"])
+    assert (record["idempotency"]["key"], record["idempotency"]["scope"]) == (k, "keys-a")
+    assert sent(upstream)[0].header("X-Operation-Key") == k  # no contract: forwarded as sent
+
+    upstream.reset()
+    url = "https://keys-a.example.test/h/idem_ignore?code=201"
+    with broker.client() as client:
+        one = post(client, url, {"Idempotency-Key": plain})
+        two = post(client, url, {"Idempotency-Key": plain})
+    assert one.status_code == two.status_code == 201
+    assert "affidavit-replayed" not in two.headers
+    assert one.headers["affidavit-invocation-id"] != two.headers["affidavit-invocation-id"]
+    assert upstream.effects_by_key[plain] == 2, "Idempotency-Key is just a header now"
+    for r in (one, two):
+        assert broker.invocation(r.headers["affidavit-invocation-id"])["idempotency"] is None
+    assert query(broker.database_url, f"SELECT count(*) FROM invocations WHERE idempotency_key = '{plain}'") == [("0",)]
+
+
+def test_a_custom_idempotency_header_feeds_a_declared_contract(custom_header_broker, upstream):
+    broker = custom_header_broker
+    k, ignored = key(), key()
+    url = "https://shared-1.example.test/h/idem_honour?code=201"
+    with broker.client() as client:
+        keyed = post(client, url, {"X-Operation-Key": k})
+        first = post(client, url, {"Idempotency-Key": ignored})
+        second = post(client, url, {"Idempotency-Key": ignored})
+    assert keyed.status_code == first.status_code == second.status_code == 201
+    assert keyed.headers["affidavit-idempotency-key"] == k
+    seen = sent(upstream)
+    assert seen[0].header("Idempotency-Key") == k and seen[0].header("X-Operation-Key") is None
+    # The default header is not a key: the broker makes one per request and replaces the agent's
+    # header with it (on a contract route the contract header is the broker's to set).
+    generated = [r.headers["affidavit-idempotency-key"] for r in (first, second)]
+    assert all(g.startswith("afk_") for g in generated) and generated[0] != generated[1]
+    assert [s.header("Idempotency-Key") for s in seen[1:]] == generated
+    assert "affidavit-replayed" not in second.headers
+    assert first.headers["affidavit-invocation-id"] != second.headers["affidavit-invocation-id"]
+    assert upstream.effects == 3 and ignored not in upstream.effects_by_key
+
+
+# -- 5. the key is durable before dispatch ---------------------------------------------------------
+
+
+def _timestamp(text: str) -> datetime:
+    value = datetime.fromisoformat(text)
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_key_fingerprint_scope_and_expiry_are_durable_before_dispatch(make_broker, upstream, dialect):
+    broker = started(make_broker, dialect, upstream, env={"AFFIDAVIT_FAILPOINTS": "after_dispatch_commit=pause:1.5"})
+    url_path = "/h/idem_honour?code=201"
+    body = b'{"amount":7}'
+    expected_fp = fingerprint("POST", normalized_target("https", "durable.example.test", 443, url_path), body,
+                              [("Content-Type", "application/json")])
+    for agent_key in (key(), None):  # the agent's own key, then one the broker generates
+        answers: dict[str, httpx.Response] = {}
+
+        def send() -> None:
+            with broker.client(timeout=15) as client:
+                answers["r"] = post(client, "https://durable.example.test" + url_path, {"Idempotency-Key": agent_key} if agent_key else {}, body)
+
+        upstream.reset()
+        thread = threading.Thread(target=send)
+        thread.start()
+        where = f"idempotency_key = '{agent_key}'" if agent_key else "idempotency_key LIKE 'afk_%'"
+        sql = ("SELECT invocation_id, idempotency_key, idempotency_scope, fingerprint, idempotency_expires_at, created_at "
+               f"FROM invocations WHERE {where}")
+        deadline, rows = time.monotonic() + 10, []
+        while time.monotonic() < deadline:
+            rows = [r for r in query(broker.database_url, sql) if r[0] in dispatched_ids(broker.database_url)]
+            if rows:
+                break
+            time.sleep(0.05)
+        upstream_saw = len(upstream.received)
+        thread.join(20)
+        assert rows, "DISPATCH_STARTED was never durable"
+        assert upstream_saw == 0, "the journal was read too late: the request had already left"
+        [(invocation_id, stored_key, scope, stored_fp, expires, created)] = rows
+        assert stored_key == (agent_key or answers["r"].headers["affidavit-idempotency-key"])
+        assert scope == "durable-scope"
+        assert stored_fp == expected_fp
+        assert abs((_timestamp(expires) - _timestamp(created)) - timedelta(hours=2)) < timedelta(seconds=5)
+        r = answers["r"]
+        assert r.status_code == 201 and r.headers["affidavit-invocation-id"] == invocation_id
+        assert [s.header("Idempotency-Key") for s in sent(upstream)] == [stored_key]
+        record = broker.invocation(invocation_id)
+        assert record["fingerprint"] == expected_fp
+        assert record["idempotency"]["expires_at"] is not None
