@@ -188,22 +188,21 @@ def metrics(
     rows = with_engine(settings, read)
     counts = {(phase, outcome): int(n) for phase, outcome, n in rows}
     table = Table(title=f"invocations by phase x outcome, last {since}" + (f", route {route}" if route else ""))
-    table.add_column("phase")
+    # Whole enum names, never cut: the table is read and grepped (it needs ~100 columns).
+    table.add_column("phase", no_wrap=True)
     for outcome in OUTCOMES:
-        table.add_column(outcome, justify="right")
-    table.add_column("total", justify="right")
+        table.add_column(outcome, justify="right", no_wrap=True)
+    table.add_column("total", justify="right", no_wrap=True)
     for phase in PHASES:
         values = [counts.get((phase, outcome), 0) for outcome in OUTCOMES]
         table.add_row(phase, *(str(v) if v else "." for v in values), str(sum(values)))
     totals = [sum(counts.get((p, o), 0) for p in PHASES) for o in OUTCOMES]
     table.add_row("total", *(str(v) for v in totals), str(sum(totals)), style="bold")
-    console.print(table)
+    Console(width=max(console.width, 110)).print(table)
     unknown = counts.get(("remote_execution", "unknown"), 0)
     setup = counts.get(("connection_setup", "not_attempted"), 0)
-    console.print(
-        f"remote_execution/unknown: {unknown} (may have had effects: reconcile, never re-send blindly); "
-        f"connection_setup/not_attempted: {setup} (nothing was sent)"
-    )
+    console.print(f"remote_execution/unknown: {unknown} (may have had effects: reconcile, never re-send blindly)")
+    console.print(f"connection_setup/not_attempted: {setup} (nothing was sent)")
 
 
 # -- decisions, through the side API of a running broker ----------------------------------------
