@@ -599,18 +599,28 @@ def _vs_bare(paired: list[tuple[dict[str, Any], dict[str, Any]]], conc: int) -> 
 Column = tuple[str, int, Callable[[dict[str, Any]], str]]
 
 
+def _lead_columns(rows: list[dict[str, Any]]) -> list[Column]:
+    """What every table starts with: the cell (path, concurrency, target) and its req/s."""
+    return [
+        ("path", 5, lambda r: r["path"]),
+        ("conc", 4, lambda r: str(r["concurrency"])),
+        ("target", _name_width(r["target"] for r in rows), lambda r: r["target"]),
+        ("req/s", 7, lambda r: _fmt(r["rps"], 0)),
+    ]
+
+
+def _latency_columns() -> list[Column]:
+    return [("p50 ms", 7, lambda r: _fmt(r["p50_ms"], 2)), ("p99 ms", 7, lambda r: _fmt(r["p99_ms"], 2))]
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     """The proxy matrix: one line per (path, concurrency, target), with the ratios to bare."""
     print_rows(
         rows,
         [
-            ("path", 5, lambda r: r["path"]),
-            ("conc", 4, lambda r: str(r["concurrency"])),
-            ("target", _name_width(r["target"] for r in rows), lambda r: r["target"]),
-            ("req/s", 7, lambda r: _fmt(r["rps"], 0)),
+            *_lead_columns(rows),
             ("x bare", 6, lambda r: _fmt(r["rps_vs_bare"], 2)),
-            ("p50 ms", 7, lambda r: _fmt(r["p50_ms"], 2)),
-            ("p99 ms", 7, lambda r: _fmt(r["p99_ms"], 2)),
+            *_latency_columns(),
             ("+p50 ms", 7, lambda r: _fmt(r["added_p50_ms_vs_bare"], 2)),
             ("proxy us/req", 12, lambda r: _fmt(r["proxy_us_per_req"], 0)),
             ("cpu x bare", 10, lambda r: _fmt(r["proxy_cpu_vs_bare"], 2)),
@@ -625,12 +635,8 @@ def print_api_table(rows: list[dict[str, Any]]) -> None:
     print_rows(
         rows,
         [
-            ("path", 5, lambda r: r["path"]),
-            ("conc", 4, lambda r: str(r["concurrency"])),
-            ("target", _name_width(r["target"] for r in rows), lambda r: r["target"]),
-            ("req/s", 7, lambda r: _fmt(r["rps"], 0)),
-            ("p50 ms", 7, lambda r: _fmt(r["p50_ms"], 2)),
-            ("p99 ms", 7, lambda r: _fmt(r["p99_ms"], 2)),
+            *_lead_columns(rows),
+            *_latency_columns(),
             ("api us/req", 10, lambda r: _fmt(r["api_us_per_req"], 0)),
             ("api cores", 9, lambda r: _fmt(r["api_cores"], 2)),
             ("pg us/req", 9, lambda r: _fmt(r["pg_us_per_req"], 0)),

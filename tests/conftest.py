@@ -187,8 +187,27 @@ def new_broker(
 @pytest.fixture(scope="module", params=DIALECTS)
 def broker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, pki: TestPKI, upstream_server: HostileUpstream) -> Iterator[BrokerProcess]:
     """One broker per module and dialect, with the standard routes."""
-    workdir = tmp_path_factory.mktemp(f"broker-{request.param}")
-    process = new_broker(workdir, database_url(request.param, workdir, request), pki, standard_routes(upstream_server))
+    yield from module_broker(request, tmp_path_factory, pki, standard_routes(upstream_server), name="broker")
+
+
+def module_broker(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    pki: TestPKI,
+    routes: list[dict[str, Any]],
+    *,
+    name: str,
+    dialect: str | None = None,
+    prepare: Callable[[BrokerProcess], BrokerProcess] | None = None,
+    **sections: Any,
+) -> Iterator[BrokerProcess]:
+    """The body of a module-scoped broker fixture: one broker for all of a module's tests, on
+    ``dialect`` (default: the fixture's parameter); ``prepare`` adjusts it before it starts."""
+    dialect = dialect or request.param
+    workdir = tmp_path_factory.mktemp(f"{name}-{dialect}")
+    process = new_broker(workdir, database_url(dialect, workdir, request), pki, routes, **sections)
+    if prepare is not None:
+        process = prepare(process)
     process.start()
     yield process
     process.stop()

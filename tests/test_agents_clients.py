@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.conftest import database_url, new_broker
+from tests.conftest import module_broker
 from tests.support.broker import BrokerProcess
 from tests.support.canaries import CANARIES
 from tests.support.certs import TestPKI
@@ -69,12 +69,8 @@ def fake_openai(pki: TestPKI) -> Iterator[FakeOpenAI]:
 @pytest.fixture(scope="module")
 def broker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, pki: TestPKI,
            upstream_server: HostileUpstream, fake_openai: FakeOpenAI) -> Iterator[BrokerProcess]:
-    workdir = tmp_path_factory.mktemp("agents-clients")
-    routes = agent_routes(upstream_server, fake_openai.port)
-    process = new_broker(workdir, database_url("sqlite", workdir, request), pki, routes)
-    process.start()
-    yield process
-    process.stop()
+    yield from module_broker(request, tmp_path_factory, pki, agent_routes(upstream_server, fake_openai.port),
+                             name="agents-clients", dialect="sqlite")
 
 
 def exports(text: str) -> dict[str, str]:

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.conftest import DIALECTS, database_url, new_broker
+from tests.conftest import DIALECTS, module_broker
 from tests.support.broker import BrokerProcess
 from tests.support.certs import TestPKI
 from tests.support.envelopes import check_envelope
@@ -38,11 +38,7 @@ def control_routes(up: HostileUpstream, approval_timeout: str = "20s") -> list[d
 @pytest.fixture(scope="module", params=DIALECTS)
 def broker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, pki: TestPKI,
            upstream_server: HostileUpstream) -> Iterator[BrokerProcess]:
-    workdir = tmp_path_factory.mktemp(f"control-{request.param}")
-    process = new_broker(workdir, database_url(request.param, workdir, request), pki, control_routes(upstream_server))
-    process.start()
-    yield process
-    process.stop()
+    yield from module_broker(request, tmp_path_factory, pki, control_routes(upstream_server), name="control")
 
 
 def cli(broker: BrokerProcess, *args: str) -> str:

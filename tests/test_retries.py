@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.conftest import DIALECTS, database_url, new_broker
+from tests.conftest import DIALECTS, module_broker
 from tests.support.broker import BrokerProcess
 from tests.support.certs import TestPKI
 from tests.support.envelopes import check_envelope
@@ -47,11 +47,7 @@ def retry_routes(up: HostileUpstream) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module", params=DIALECTS)
 def broker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, pki: TestPKI, upstream_server: HostileUpstream) -> Iterator[BrokerProcess]:
-    workdir = tmp_path_factory.mktemp(f"retries-{request.param}")
-    process = new_broker(workdir, database_url(request.param, workdir, request), pki, retry_routes(upstream_server))
-    process.start()
-    yield process
-    process.stop()
+    yield from module_broker(request, tmp_path_factory, pki, retry_routes(upstream_server), name="retries")
 
 
 def key() -> str:

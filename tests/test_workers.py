@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import database_url
-from tests.support.broker import AFFIDAVIT, BrokerProcess, free_port
+from tests.support.broker import AFFIDAVIT, BrokerProcess
 from tests.support.envelopes import check_envelope
 from tests.support.journal import query
 
