@@ -1,11 +1,14 @@
 """Shared fixtures: test PKI, the hostile upstream, databases on both dialects, real brokers.
 
 PostgreSQL is the machine's server (or ``AFFIDAVIT_TEST_DATABASE_URL``), one fresh database per
-broker. With ``CI=true`` a missing PostgreSQL fails the run instead of skipping.
+broker. When neither answers, the run starts a throwaway cluster of its own (``initdb`` from the
+machine's PostgreSQL binaries) and removes it at the end; only without those binaries are the
+PostgreSQL tests skipped, and with ``CI=true`` that fails the run instead.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -16,7 +19,14 @@ from tests.support.broker import Agent, BrokerProcess, free_port
 from tests.support.canaries import CANARIES
 from tests.support.certs import TestPKI
 from tests.support.hostile import HostileUpstream
-from tests.support.pg import drop_stale_test_databases, fresh_database, require_postgres, server_available, server_url
+from tests.support.pg import (
+    ThrowawayCluster,
+    drop_stale_test_databases,
+    fresh_database,
+    require_postgres,
+    server_available,
+    server_url,
+)
 
 DIALECTS = ["sqlite", "postgresql"]
 
@@ -229,6 +239,34 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(line)
 
 
+_OWN_CLUSTER: list[ThrowawayCluster] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """No PostgreSQL answering: start one for this run, so the PostgreSQL tests still run."""
+    if os.environ.get("AFFIDAVIT_TEST_DATABASE_URL") or server_available(server_url()):
+        return
+    cluster = ThrowawayCluster(max_connections=200)
+    try:
+        cluster.start()
+    except Exception as exc:  # no initdb here (or no postgres user): require_postgres() says what to do
+        cluster.cleanup()
+        config.stash[_NO_CLUSTER] = f"could not start a throwaway PostgreSQL cluster either: {exc}"
+        return
+    _OWN_CLUSTER.append(cluster)
+    os.environ["AFFIDAVIT_TEST_DATABASE_URL"] = cluster.url()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    while _OWN_CLUSTER:
+        _OWN_CLUSTER.pop().cleanup()
+
+
+_NO_CLUSTER = pytest.StashKey[str]()
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     url = server_url()
-    return f"affidavit: PostgreSQL for tests at {url.split('@')[-1]} ({'up' if server_available(url) else 'DOWN'})"
+    where = "a throwaway cluster of this run" if _OWN_CLUSTER else "the configured server"
+    line = f"affidavit: PostgreSQL for tests at {url.split('@')[-1]}, {where} ({'up' if server_available(url) else 'DOWN'})"
+    return line + (f"; {config.stash[_NO_CLUSTER]}" if _NO_CLUSTER in config.stash else "")

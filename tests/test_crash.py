@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy.engine import make_url
 
 from tests.support.broker import BrokerProcess
 from tests.support.envelopes import check_envelope
@@ -141,8 +142,9 @@ def test_an_unkeyed_request_killed_before_dispatch_leaves_no_false_record(make_b
 def relayed_pg(pg_admin_url: str):
     """A fresh PostgreSQL database reached through a TCP relay the test can cut."""
     url, drop = fresh_database(pg_admin_url)
-    with TcpRelay("127.0.0.1", 5432) as relay:
-        yield url.replace("127.0.0.1:5432", f"127.0.0.1:{relay.listen_port}"), relay
+    server = make_url(url)
+    with TcpRelay(server.host or "127.0.0.1", server.port or 5432) as relay:
+        yield server.set(host="127.0.0.1", port=relay.listen_port).render_as_string(hide_password=False), relay
     drop()
 
 
