@@ -336,12 +336,19 @@ def test_a_broker_killed_after_taking_a_lease_leaves_budget_and_generation_intac
         with pytest.raises(httpx.HTTPError):
             post(client, url, k)
     doomed.kill()
-    row = query(doomed.database_url, f"SELECT generation, outcome, stage FROM invocations WHERE invocation_id = '{invocation_id}'")
-    assert row == [("1", "unknown", "ended_unknown")]
+    columns = "generation, retry_budget, outcome, stage"
+    row = query(doomed.database_url, f"SELECT {columns} FROM invocations WHERE invocation_id = '{invocation_id}'")
+    assert row[0][0] == "1" and row[0][2:] == ("unknown", "ended_unknown"), row
+    # The killed broker comes back: its start-up recovery resets neither the generation nor the budget.
+    doomed.env.pop("AFFIDAVIT_FAILPOINTS")
+    doomed.start()
+    assert query(doomed.database_url, f"SELECT {columns} FROM invocations WHERE invocation_id = '{invocation_id}'") == row
+    assert doomed.invocation(invocation_id)["retry_budget"]["used"] == 1
     survivor = make_broker(routes=routes, like=doomed, proxy={"retry_lease": "1s"})
     time.sleep(1.1)  # the dead broker's lease runs out
     with survivor.client() as client:
         retried = post(client, url, k)
     assert retried.status_code == 201
     assert query(doomed.database_url, f"SELECT generation FROM invocations WHERE invocation_id = '{invocation_id}'") == [("2",)]
+    assert survivor.invocation(invocation_id)["retry_budget"]["used"] == 2
     assert len(sent(upstream)) == 2 and upstream.effects_by_key[k] == 1
