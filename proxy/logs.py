@@ -8,11 +8,12 @@ broker runs at DEBUG.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from datetime import UTC, datetime
 from typing import Any
+
+import orjson
 
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
@@ -30,7 +31,8 @@ class JsonFormatter(logging.Formatter):
                 entry[key] = value
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str, separators=(",", ":"))
+        # orjson: one line per ended invocation is on the hot path.
+        return orjson.dumps(entry, default=str).decode()
 
 
 def setup(level: str = "info") -> None:

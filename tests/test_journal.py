@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from sqlalchemy import select, text
 from proxy.contract import EventKind, Phase, project
 from proxy.invocation_log import Identity, InvocationLog, new_invocation_id
 from proxy.store import migrate, queries
-from proxy.store.journal import GENESIS, Journal, JournalUnavailable, chain_hash, make_engine
+from proxy.store.journal import GENESIS, Journal, JournalUnavailable, canonical_time, chain_hash, make_engine
 from proxy.store.schema import events, invocations
 from tests.conftest import DIALECTS, database_url
 from tests.support.hostile import free_port
@@ -205,3 +206,17 @@ def test_payloads_are_json_and_hold_no_surprises(db):
 
     rows = asyncio.run(scenario())
     assert json.loads(bytes(rows[0]["payload"])) == {"agent": "builder"}
+
+
+@pytest.mark.parametrize("at", [
+    datetime(2026, 11, 30, 14, 0, 0, tzinfo=UTC),
+    datetime(2026, 11, 30, 14, 0, 0, 7, tzinfo=UTC),
+    datetime(2026, 1, 2, 3, 4, 5, 999999),  # SQLite hands times back without a zone: UTC
+    datetime(2026, 6, 1, 1, 30, 0, 123456, tzinfo=timezone(timedelta(hours=5, minutes=30))),
+    "2026-06-01T01:30:00.123456+05:30",
+])
+def test_canonical_time_is_utc_microseconds_and_z_whatever_it_is_given(at):
+    # Hashes of stored events depend on this text: it must never change for the same instant.
+    parsed = datetime.fromisoformat(at) if isinstance(at, str) else at
+    reference = (parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    assert canonical_time(at) == reference

@@ -130,7 +130,11 @@ def canonical_time(at: datetime | str) -> str:
         at = datetime.fromisoformat(at)
     if at.tzinfo is None:
         at = at.replace(tzinfo=UTC)
-    return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    elif at.utcoffset():
+        at = at.astimezone(UTC)
+    # isoformat, not strftime: the same text ("...+00:00" -> "...Z") at a fraction of the cost,
+    # and this runs for every event of every request.
+    return at.isoformat(timespec="microseconds")[:-6] + "Z"
 
 
 def chain_hash(row: dict[str, Any]) -> str:
