@@ -26,7 +26,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from email.utils import parsedate_to_datetime
 from urllib.parse import quote, urlsplit
 from typing import Any, Callable
 
@@ -46,6 +45,7 @@ from .contract import (
     decide,
     is_idempotent,
     project,
+    retry_after_seconds,
     retry_hint,
 )
 from .credentials import (
@@ -273,7 +273,7 @@ class _Exchange:
             body_sha256=response.body_sha256,
             body_bytes=len(response.body),
             peer_certificate=response.peer_certificate_sha256,
-            retry_after=_retry_after(response),
+            retry_after=retry_after_seconds(response.header("Retry-After")),
             location=response.header("Location"),
             job_ref=_job_reference(response),
             http_version=response.http_version,
@@ -1233,20 +1233,6 @@ def _passable(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 def _json_headers(headers: list[tuple[str, str]]) -> str:
     return json.dumps(headers, separators=(",", ":"))
-
-
-def _retry_after(response: UpstreamResponse) -> float | None:
-    value = response.header("Retry-After")
-    if value is None:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max((when - utcnow()).total_seconds(), 0.0)
 
 
 _JOB_KEYS = ("job_id", "operation_id", "task_id", "id")

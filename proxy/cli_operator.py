@@ -22,7 +22,7 @@ from .config import ConfigError, Settings, load_settings, parse_duration
 from .crypto import KeyRing, payload_decoder, result_decoder
 from .invocation_view import describe
 from .store import queries
-from .store.journal import make_engine
+from .store.journal import on_engine
 
 T = TypeVar("T")
 
@@ -55,15 +55,8 @@ def ring_of(settings: Settings) -> KeyRing:
 def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
     """Run ``work(engine)`` against the configured journal; a database error is one clear line."""
 
-    async def run() -> T:
-        engine = make_engine(settings.database.url, pool_size=2)
-        try:
-            return await work(engine)
-        finally:
-            await engine.dispose()
-
     try:
-        return asyncio.run(run())
+        return asyncio.run(on_engine(settings.database.url, work, pool_size=2))
     except Exception as exc:
         if isinstance(exc, typer.Exit):
             raise

@@ -74,17 +74,10 @@ def redact_url(url: str) -> str:
 
 def _with_engine(url: str, work: Callable[[Any], Awaitable[T]]) -> T:
     """Run ``work(engine)`` on the journal database; database errors become one clear line."""
-    from .store.journal import make_engine
-
-    async def run() -> T:
-        engine = make_engine(url)
-        try:
-            return await work(engine)
-        finally:
-            await engine.dispose()
+    from .store.journal import on_engine
 
     try:
-        return asyncio.run(run())
+        return asyncio.run(on_engine(url, work))
     except (SQLAlchemyError, OSError) as exc:
         reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:200]
         _fail(f"the database {redact_url(url)} could not be used ({reason}); is it reachable and upgraded (`affidavit db upgrade`)?")

@@ -28,12 +28,11 @@ import os
 import ssl
 import time
 from dataclasses import dataclass, field
-from email.utils import parsedate_to_datetime
 from enum import StrEnum
 from typing import Any, Callable, Iterable, Literal, Mapping, Protocol
 from urllib.parse import quote, unquote, urlsplit
 
-from .contract import CallerDisposition, Code, NextAction, Outcome, Phase, Retry
+from .contract import CallerDisposition, Code, NextAction, Outcome, Phase, Retry, retry_after_seconds
 
 INVOCATION_HEADER = "Affidavit-Invocation-Id"
 OUTCOME_HEADER = "Affidavit-Outcome"
@@ -212,19 +211,6 @@ def _enum(kind: type[StrEnum], value: Any, what: str) -> Any:
         raise NotAnEnvelope(f"{what}={value!r} is not a known {kind.__name__}") from None
 
 
-def _seconds(value: str | None) -> float | None:
-    """A ``Retry-After`` value: delta-seconds or an HTTP date."""
-    if value is None:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        return max(parsedate_to_datetime(value).timestamp() - time.time(), 0.0)
-    except (TypeError, ValueError):
-        return None
-
-
 def parse_envelope(body: bytes | str | Mapping[str, Any], headers: Headers | None = None) -> Envelope:
     """Parse an envelope body (and optionally its headers). Raises :class:`NotAnEnvelope`."""
     data = _load(body)
@@ -245,7 +231,7 @@ def parse_envelope(body: bytes | str | Mapping[str, Any], headers: Headers | Non
         message=str(error.get("message", "")),
         evidence=evidence,
         idempotency_key=idempotency.get("key") or _get(pairs, IDEMPOTENCY_KEY_HEADER),
-        retry_after=_seconds(_get(pairs, "Retry-After")),
+        retry_after=retry_after_seconds(_get(pairs, "Retry-After")),
     )
 
 

@@ -17,7 +17,10 @@ Three rules hold by construction rather than by care:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
+from datetime import UTC
+from email.utils import parsedate_to_datetime
 from enum import StrEnum
 from typing import Any, Iterable, Mapping
 
@@ -584,3 +587,20 @@ def is_idempotent(method: str, declared: bool | None) -> bool:
     if declared is not None:
         return declared
     return method.upper() in IDEMPOTENT_METHODS
+
+
+def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:
+    """A ``Retry-After`` header in seconds from ``now`` (default: the clock): delta-seconds or an
+    HTTP date (GMT); None when absent or unreadable. Shared by the broker and proxy.client."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(when.timestamp() - (time.time() if now is None else now), 0.0)

@@ -76,34 +76,29 @@ def active() -> bool:
     return bool(_ACTIVE)
 
 
-def failpoint_now(name: str) -> None:
-    """The synchronous form, for hooks that must not yield: ``kill`` and ``raise`` only."""
-    if not _ACTIVE:
-        return
+def _fire(name: str, *, may_pause: bool) -> _Action | None:
+    """Count one firing of an armed failpoint and do ``kill``/``raise``; a ``pause`` (when it
+    may act here) is returned for the caller to sleep."""
     action = _ACTIVE.get(name)
-    if action is None or action.remaining == 0 or action.kind == "pause":
-        return
+    if action is None or action.remaining == 0 or (action.kind == "pause" and not may_pause):
+        return None
     if action.remaining is not None:
         action.remaining -= 1
     log.warning("failpoint %s: %s", name, action.kind)
     if action.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    raise FailpointError(f"failpoint {name}")
+    if action.kind == "raise":
+        raise FailpointError(f"failpoint {name}")
+    return action
+
+
+def failpoint_now(name: str) -> None:
+    """The synchronous form, for hooks that must not yield: ``kill`` and ``raise`` only."""
+    if _ACTIVE:
+        _fire(name, may_pause=False)
 
 
 async def failpoint(name: str) -> None:
     """Act if the failpoint ``name`` is armed; otherwise return at once."""
-    if not _ACTIVE:
-        return
-    action = _ACTIVE.get(name)
-    if action is None or action.remaining == 0:
-        return
-    if action.remaining is not None:
-        action.remaining -= 1
-    log.warning("failpoint %s: %s", name, action.kind)
-    if action.kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif action.kind == "raise":
-        raise FailpointError(f"failpoint {name}")
-    else:
-        await asyncio.sleep(action.seconds)
+    if _ACTIVE and (pause := _fire(name, may_pause=True)) is not None:
+        await asyncio.sleep(pause.seconds)

@@ -27,13 +27,14 @@ from proxy import audit
 from proxy.audit import Break, Damage, checkpoint_row
 from proxy.contract import EventKind
 from proxy.crypto import KeyRing, payload_codec
-from proxy.invocation_log import Identity, InvocationLog, new_invocation_id
+from proxy.invocation_log import InvocationLog, new_invocation_id
 from proxy.store import migrate
-from proxy.store.journal import GENESIS, EventRow, Journal, Write, chain_hash, make_engine
+from proxy.store.journal import GENESIS, EventRow, Journal, Write, chain_hash, make_engine, on_engine
 from proxy.store.schema import events
 from proxy.store.vault_schema import chain_checkpoints, vault_secrets
 from tests.conftest import DIALECTS, database_url
 from tests.support.journal import query
+from tests.test_journal import identity
 
 WRITERS = ("w1", "w2")
 INVOCATIONS_PER_WRITER = 5
@@ -41,18 +42,6 @@ EVENTS_PER_INVOCATION = 8
 
 
 # -- a real journal --------------------------------------------------------------------------------
-
-
-def identity() -> Identity:
-    return Identity(
-        invocation_id=new_invocation_id(),
-        agent="builder",
-        route="payments.create",
-        method="POST",
-        target="https://api.payments.test:443/v1/charges",
-        fingerprint="sha256:" + "0" * 64,
-        idempotent=False,
-    )
 
 
 async def history(journal: Journal, owner: str) -> None:
@@ -145,14 +134,7 @@ def tamper(url: str, *statements: str, tables: tuple[str, ...] = ("events",)) ->
 
 
 def run_async(url: str, work):
-    async def run():
-        engine = make_engine(url)
-        try:
-            return await work(engine)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(run())
+    return asyncio.run(on_engine(url, work))
 
 
 def add_checkpoint(url: str, writer: str, writer_seq: int, hash: str) -> None:

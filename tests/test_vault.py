@@ -23,7 +23,7 @@ from proxy.contract import Code
 from proxy.credentials import CredentialUnavailable
 from proxy.crypto import KeyRing, generate_key
 from proxy.store import migrate
-from proxy.store.journal import make_engine
+from proxy.store.journal import on_engine
 from proxy.store.vault_schema import vault_secrets
 from tests.conftest import DIALECTS, database_url
 from tests.support.journal import dump_journal
@@ -46,15 +46,8 @@ def ring(material: bytes | None = None, key_id: str = "k1") -> KeyRing:
     return KeyRing([(key_id, material or os.urandom(32))])
 
 
-def on_engine(url: str, work):
-    async def run():
-        engine = make_engine(url)
-        try:
-            return await work(engine)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(run())
+def with_engine(url: str, work):
+    return asyncio.run(on_engine(url, work))
 
 
 def leaked(value: str, text: str) -> bool:
@@ -73,7 +66,7 @@ def test_a_stored_secret_reads_back_and_never_appears_in_the_database(db):
         version = await vault.put(engine, keys, "payments-key", value)
         return version, await vault.latest(engine, keys, "payments-key")
 
-    version, (read, read_version) = on_engine(db, scenario)
+    version, (read, read_version) = with_engine(db, scenario)
     assert version == read_version == "v1"
     assert read == value
     dump = dump_journal(db)
@@ -90,7 +83,7 @@ def test_rotation_adds_a_version_and_latest_returns_it(db):
         v2 = await vault.rotate(engine, keys, "payments-key", second)
         return v1, v2, await vault.latest(engine, keys, "payments-key"), await vault.list_secrets(engine)
 
-    v1, v2, (value, version), listing = on_engine(db, scenario)
+    v1, v2, (value, version), listing = with_engine(db, scenario)
     assert (v1, v2) == ("v1", "v2")
     assert (value, version) == (second, "v2")
     assert [v.version for v in listing["payments-key"]] == ["v1", "v2"]
@@ -105,7 +98,7 @@ def test_rotate_refuses_a_name_that_is_not_in_the_vault(db):
             await vault.rotate(engine, keys, "typo-key", canary())
         return caught.value, await vault.list_secrets(engine)
 
-    error, listing = on_engine(db, scenario)
+    error, listing = with_engine(db, scenario)
     assert error.code is Code.CREDENTIAL_MISSING
     assert listing == {}
 
@@ -119,7 +112,7 @@ def test_without_keys_the_vault_is_locked(db):
             await vault.latest(engine, KeyRing.empty(), "payments-key")
         return on_put.value, on_read.value, await vault.list_secrets(engine)
 
-    on_put, on_read, listing = on_engine(db, scenario)
+    on_put, on_read, listing = with_engine(db, scenario)
     assert on_put.code is Code.VAULT_LOCKED and on_read.code is Code.VAULT_LOCKED
     assert "[crypto] keys" in on_read.message
     assert [v.version for v in listing["payments-key"]] == ["v1"], "the locked put stored nothing"
@@ -131,7 +124,7 @@ def test_a_missing_secret_is_credential_missing(db):
             await vault.latest(engine, ring(), "nothing-here", what="credential 'payments-key'")
         return caught.value
 
-    error = on_engine(db, scenario)
+    error = with_engine(db, scenario)
     assert error.code is Code.CREDENTIAL_MISSING
     assert error.message.startswith("credential 'payments-key':")
 
@@ -149,7 +142,7 @@ def test_the_wrong_key_or_a_removed_key_is_a_decrypt_failure_that_never_shows_th
             errors.append(caught.value)
         return errors
 
-    wrong_material, unknown_id = on_engine(db, scenario)
+    wrong_material, unknown_id = with_engine(db, scenario)
     assert wrong_material.code is Code.CREDENTIAL_DECRYPT_FAILED
     assert unknown_id.code is Code.CREDENTIAL_DECRYPT_FAILED
     assert "'k1'" in unknown_id.message and "not in [crypto] keys" in unknown_id.message
@@ -170,7 +163,7 @@ def test_a_ciphertext_copied_onto_another_secret_does_not_decrypt(db):
             await vault.latest(engine, keys, "reader-key")
         return caught.value
 
-    assert on_engine(db, scenario).code is Code.CREDENTIAL_DECRYPT_FAILED
+    assert with_engine(db, scenario).code is Code.CREDENTIAL_DECRYPT_FAILED
 
 
 def test_concurrent_puts_get_distinct_versions(db):
@@ -181,7 +174,7 @@ def test_concurrent_puts_get_distinct_versions(db):
         versions = await asyncio.gather(*(vault.put(engine, keys, "payments-key", v) for v in values))
         return versions, await vault.latest(engine, keys, "payments-key")
 
-    versions, (value, version) = on_engine(db, scenario)
+    versions, (value, version) = with_engine(db, scenario)
     assert sorted(versions, key=lambda v: int(v[1:])) == ["v1", "v2", "v3", "v4", "v5"]
     assert value == values[versions.index("v5")] and version == "v5"
 
@@ -243,7 +236,7 @@ def test_secrets_set_reads_stdin_prints_only_name_and_version_and_stores_ciphert
     assert outputs[0].strip() == "affidavit: stored payments-key v1"
     assert outputs[1].strip() == "affidavit: stored payments-key v2"
     assert "payments-key: v1 (key k1" in listed.stdout and "in use: v2" in listed.stdout
-    value, version = on_engine(db, lambda engine: vault.latest(engine, keys, "payments-key"))
+    value, version = with_engine(db, lambda engine: vault.latest(engine, keys, "payments-key"))
     assert (value, version) == (second, "v2"), "the trailing newline of stdin is not part of the value"
     dump = dump_journal(db)
     for secret in (first, second):
@@ -260,13 +253,13 @@ def test_secrets_set_refuses_a_value_on_the_command_line_and_does_not_echo_it(cl
     assert done.returncode == 2
     assert "never taken from the command line" in done.stderr and "nothing was stored" in done.stderr
     assert value not in done.stdout + done.stderr
-    assert on_engine(db, vault.list_secrets) == {}, "nothing may be stored, not even the stdin value"
+    assert with_engine(db, vault.list_secrets) == {}, "nothing may be stored, not even the stdin value"
 
     from proxy.cli_security import secrets_app
 
     result = CliRunner().invoke(secrets_app, ["set", *args, "-c", str(config)], input=canary(), env=cli_env(key))
     assert result.exit_code == 2 and value not in result.output
-    assert on_engine(db, vault.list_secrets) == {}
+    assert with_engine(db, vault.list_secrets) == {}
 
 
 def test_secrets_commands_without_keys_say_the_vault_is_locked(cli):
@@ -278,14 +271,14 @@ def test_secrets_commands_without_keys_say_the_vault_is_locked(cli):
     assert done.returncode == 1
     assert "VAULT_LOCKED" in done.stderr and "affidavit keys generate" in done.stderr
     assert value not in done.stdout + done.stderr
-    assert on_engine(db, vault.list_secrets) == {}
+    assert with_engine(db, vault.list_secrets) == {}
 
 
 def test_secrets_rotate_refuses_an_unknown_name_through_the_cli(cli):
     db, workdir, config, key, _ = cli
     done = run_cli("secrets_app", "rotate", "typo-key", "-c", str(config), cwd=workdir, env=cli_env(key), stdin=canary())
     assert done.returncode == 1 and "CREDENTIAL_MISSING" in done.stderr and "secrets set typo-key" in done.stderr
-    assert on_engine(db, vault.list_secrets) == {}
+    assert with_engine(db, vault.list_secrets) == {}
 
 
 def test_secrets_set_in_a_terminal_prompts_twice_without_echo(cli):
@@ -296,7 +289,7 @@ def test_secrets_set_in_a_terminal_prompts_twice_without_echo(cli):
     assert status == 0, output
     assert "stored payments-key v1" in output
     assert value not in output, "a hidden prompt must not echo the value"
-    assert on_engine(db, lambda engine: vault.latest(engine, keys, "payments-key")) == (value, "v1")
+    assert with_engine(db, lambda engine: vault.latest(engine, keys, "payments-key")) == (value, "v1")
 
 
 def in_terminal(argv: list[str], *, cwd: Path, env: dict[str, str], answers: list[tuple[str, str]], timeout: float = 60) -> tuple[str, int]:

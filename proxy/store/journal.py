@@ -23,7 +23,8 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import asyncpg
 import orjson
@@ -42,6 +43,7 @@ from .schema import events, invocations, results
 from .vault_schema import chain_checkpoints, checkpoint_due, checkpoint_row
 
 log = logging.getLogger("affidavit.journal")
+T = TypeVar("T")
 
 GENESIS = "0" * 64
 
@@ -159,6 +161,15 @@ def _sqlite_settings(engine: Engine, timeout: float) -> Engine:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+async def on_engine(url: str, work: Callable[[AsyncEngine], Awaitable[T]], pool_size: int = 10) -> T:
+    """``work(engine)`` on a short-lived engine (commands, tools), disposed whatever happens."""
+    engine = make_engine(url, pool_size)
+    try:
+        return await work(engine)
+    finally:
+        await engine.dispose()
 
 
 def make_engine(url: str, pool_size: int = 10, timeout: float = 5.0) -> AsyncEngine:
