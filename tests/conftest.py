@@ -227,9 +227,20 @@ _MEASUREMENTS: list[str] = []
 
 
 @pytest.fixture
-def report() -> Callable[[str], None]:
-    """``report(line)``: a measurement printed in the run's summary (not hidden by capture)."""
-    return _MEASUREMENTS.append
+def report(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """``report(line)``: a measurement printed in the run's summary (not hidden by capture).
+
+    The line travels with the test's report, so it reaches the summary from parallel workers too.
+    """
+    return lambda line: request.node.user_properties.append((_MEASUREMENT, line))
+
+
+_MEASUREMENT = "affidavit measurement"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "teardown":
+        _MEASUREMENTS.extend(line for name, line in report.user_properties if name == _MEASUREMENT)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -105,6 +105,7 @@ def test_keys_load_from_env_and_file_in_standard_or_urlsafe_base64(tmp_path, mon
         (base64.b64encode(os.urandom(16)).decode(), "16 bytes"),
         ("not base64 at all!!", "not base64"),
     ],
+    ids=["short-key", "not-base64"],  # fixed ids: parallel workers must collect the same tests
 )
 def test_a_bad_key_is_a_config_error_naming_id_and_source_never_the_key(monkeypatch, material, complaint):
     monkeypatch.setenv("AFFIDAVIT_BAD_KEY", material)
