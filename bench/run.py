@@ -128,6 +128,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--upstream", choices=["auto", "nginx", "asyncio"], default="auto", help="[auto] = nginx if installed, else asyncio")
     p.add_argument("--mitmdump", help="mitmdump binary (default: the project's venv)")
     p.add_argument("--affidavit", help="affidavit binary (default: the project's venv)")
+    p.add_argument(
+        "--baseline",
+        help="a second affidavit binary (say, an older checkout's venv) run as extra targets "
+        "named <target>@base in the same interleaved rounds, to compare two builds without drift",
+    )
     p.add_argument("--results-dir", type=Path, default=HERE / "results", help="[bench/results]")
     p.add_argument("--keep-tmp", action="store_true", help="keep the temp dir (configs, logs, sqlite db)")
     a = p.parse_args(argv)
@@ -146,7 +151,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for path in a.paths:
         if path not in ("http", "https") and not a.api:
             p.error(f"--paths: unknown path {path!r}")
-    for t in a.targets:
+    if a.baseline:
+        a.targets += [f"{t}@base" for t in a.targets if t in AFFIDAVIT_TARGETS]
+    for t in (t.removesuffix("@base") for t in a.targets):
         if t not in ALL_TARGETS + OPTIONAL_TARGETS:
             p.error(f"--targets: unknown target {t!r}")
         if a.api and t not in AFFIDAVIT_TARGETS:
@@ -415,9 +422,10 @@ def start_targets(bench: Bench, tmp: Path, cleanup: Cleanup, mitmdump: str | Non
             else:
                 if not affidavit:
                     raise StartError("no affidavit binary found (use --affidavit)")
-                db, workers = AFFIDAVIT_TARGETS[name]
+                db, workers = AFFIDAVIT_TARGETS[name.removesuffix("@base")]
+                binary = bench.args.baseline if name.endswith("@base") else affidavit
                 target = services.start_affidavit(
-                    name, tmp, bench.pki, affidavit, bench.upstream, db, bench.args.workers if workers else 1
+                    name, tmp, bench.pki, binary, bench.upstream, db, bench.args.workers if workers else 1
                 )
         except Exception as exc:  # noqa: BLE001 - report it; the other targets still run
             bench.failed[name] = f"did not start: {exc}"
@@ -710,6 +718,13 @@ def main(argv: list[str] | None = None) -> int:
         if "bare" not in bench.targets and not args.api:
             print("note: bare mitmdump is not running, so there are no ratios against it")
         run_matrix(bench)
+        if not args.api and any(AFFIDAVIT_TARGETS.get(t.removesuffix("@base"), ("",))[0] == "pg" for t in bench.targets):
+            meta["pg_commit_floor"] = floor = services.commit_floor()
+            print(
+                f"PostgreSQL alone: one-row INSERT+COMMIT p50 {floor['insert_commit_us']:.0f} us, "
+                f"SELECT 1 p50 {floor['select_1_us']:.0f} us (asyncpg, one after another). At c=1 Affidavit waits "
+                "for two commits in series per request, so its +p50 cannot go below about twice the first."
+            )
     except KeyboardInterrupt:
         interrupted = True
         print("\ninterrupted: stopping everything", file=sys.stderr)

@@ -18,6 +18,7 @@ import shutil
 import signal
 import socket
 import sqlite3
+import statistics
 import subprocess
 import sys
 import time
@@ -352,6 +353,40 @@ def count_invocations_pg(name: str) -> int:
             await conn.close()
 
     return _pg(go)
+
+
+def commit_floor(samples: int = 2000) -> dict[str, float]:
+    """What one durable commit costs by itself: p50 of a one-row INSERT (autocommit, so one
+    fsync each) and of ``SELECT 1``, one after another through asyncpg, in a throwaway database.
+
+    Affidavit waits for two commits in series on every request, so at concurrency 1 these set a
+    floor under its added latency that no change in the broker can go below.
+    """
+    name = create_database()
+
+    async def go() -> dict[str, float]:
+        import asyncpg
+
+        conn = await asyncpg.connect(pg_dsn(name), timeout=10)
+        try:
+            await conn.execute("CREATE TABLE floor (n integer)")
+            timings: dict[str, float] = {}
+            for label, sql, args in (("select_1_us", "SELECT 1", ()), ("insert_commit_us", "INSERT INTO floor VALUES ($1)", (1,))):
+                statement = await conn.prepare(sql)
+                spent = []
+                for _ in range(samples):
+                    t0 = time.perf_counter()
+                    await statement.fetch(*args)
+                    spent.append(time.perf_counter() - t0)
+                timings[label] = round(statistics.median(spent) * 1e6, 1)
+            return timings
+        finally:
+            await conn.close()
+
+    try:
+        return _pg(go)
+    finally:
+        drop_database(name)
 
 
 def count_invocations_sqlite(path: Path) -> int:
