@@ -18,6 +18,7 @@ import base64
 import hashlib
 import json
 import logging
+import sqlite3
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -28,11 +29,9 @@ from typing import Any, TypeVar
 
 import asyncpg
 import orjson
-from sqlalchemy import and_, bindparam, event, insert, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy import event, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.engine import Connection, Engine, create_engine
+from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from .. import metrics
@@ -40,10 +39,12 @@ from ..failpoints import failpoint
 from ..crypto import KeyRing, payload_codec, payload_decoder, result_codec, result_decoder
 from .leases import ReplayTally
 from .schema import events, invocations, results
+from .statements import PROJECTION_COLUMNS, CoreStatements, SqliteStatements, sqlite_pragmas
 from .vault_schema import chain_checkpoints, checkpoint_due, checkpoint_row
 
 log = logging.getLogger("affidavit.journal")
 T = TypeVar("T")
+Statements = CoreStatements | SqliteStatements
 
 GENESIS = "0" * 64
 
@@ -150,9 +151,7 @@ def _sqlite_settings(engine: Engine, timeout: float) -> Engine:
     def _pragmas(dbapi_conn: Any, _record: Any) -> None:
         dbapi_conn.isolation_level = None
         cursor = dbapi_conn.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=FULL")
-        cursor.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
+        sqlite_pragmas(cursor, timeout)
         cursor.close()
 
     @event.listens_for(engine, "begin")
@@ -188,33 +187,6 @@ def make_engine(url: str, pool_size: int = 10, timeout: float = 5.0) -> AsyncEng
     )
 
 
-_PROJECTION_COLUMNS = (
-    "updated_at",
-    "stage",
-    "phase",
-    "outcome",
-    "retry",
-    "code",
-    "caller_disposition",
-    "dispatch_started",
-    "dispatch_seq",
-    "status",
-    "last_seq",
-    "attempts_used",
-    "credential_id",
-    "credential_version",
-    "injection",
-    "owner",
-    "lease_expires_at",
-)
-
-_update_projection = (
-    update(invocations)
-    .where(invocations.c.invocation_id == bindparam("b_invocation_id"))
-    .values({name: bindparam(name) for name in _PROJECTION_COLUMNS})
-)
-
-
 class Journal:
     """Group-commit writer for one broker process (one audit chain per writer name)."""
 
@@ -248,12 +220,13 @@ class Journal:
         self._wakeup: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._conn: AsyncConnection | None = None
-        # SQLite: the journal writes through its own synchronous connection in one worker thread.
-        self._sqlite: Engine | None = None
+        # SQLite: the journal writes through its own sqlite3 connection in one worker thread
+        # (opened there on the first batch).
+        self._sqlite_path: str | None = None
+        self._sqlite: SqliteStatements | None = None
         self._sqlite_thread: ThreadPoolExecutor | None = None
         if engine.dialect.name == "sqlite":
-            url = engine.url.set(drivername="sqlite")
-            self._sqlite = _sqlite_settings(create_engine(url, connect_args={"timeout": timeout}), timeout)
+            self._sqlite_path = engine.url.database or ":memory:"
             self._sqlite_thread = ThreadPoolExecutor(1, thread_name_prefix="affidavit-journal")
         self._driver: Any = None  # the asyncpg connection under ``_conn`` (PostgreSQL fast path)
         self._generation = 0
@@ -303,8 +276,13 @@ class Journal:
                 pass
             self._task = None
         await self._drop_connection()
-        if self._sqlite is not None and self._sqlite_thread is not None:
-            await asyncio.get_running_loop().run_in_executor(self._sqlite_thread, self._sqlite.dispose)
+        if self._sqlite_thread is not None:
+            await asyncio.get_running_loop().run_in_executor(self._sqlite_thread, self._close_sqlite)
+
+    def _close_sqlite(self) -> None:
+        statements, self._sqlite = self._sqlite, None
+        if statements is not None:
+            statements.close()
 
     def submit(self, write: Write) -> asyncio.Future[None]:
         """Queue rows for the next transaction; the future resolves once they are durable."""
@@ -402,7 +380,7 @@ class Journal:
             try:
                 async with asyncio.timeout(self.timeout):  # no extra task per batch, unlike wait_for
                     refused = await self._write(live)
-            except (IntegrityError, asyncpg.UniqueViolationError):
+            except (IntegrityError, sqlite3.IntegrityError, asyncpg.UniqueViolationError):
                 # A write collided with another writer's rows (a race on one invocation). Redo
                 # the batch with each write in its own savepoint so only the colliding one fails.
                 async with asyncio.timeout(self.timeout):
@@ -432,7 +410,7 @@ class Journal:
                 w.future.set_result(None)  # type: ignore[union-attr]
 
     async def _write(self, batch: list[Write]) -> dict[int, Exception]:
-        if self._sqlite is None and sum(len(w.result["body"]) for w in batch if w.result) < _INLINE_LIMIT:
+        if self._sqlite_path is None and sum(len(w.result["body"]) for w in batch if w.result) < _INLINE_LIMIT:
             return await self._call_batch(await self._connection(), batch)
         return await self._transaction(batch, isolate=False)
 
@@ -483,18 +461,13 @@ class Journal:
                 check["write"] = i
                 checks.append(check)
         event_rows = self._chain_rows(writes, chain)
-        updates: dict[str, dict[str, Any]] = {}
-        for w in writes:
-            if w.update_invocation:
-                row = dict(w.update_invocation)
-                row["invocation_id"] = row.pop("b_invocation_id")
-                updates[row["invocation_id"]] = row  # the last projection of an invocation wins
+        inserts, updates = _projections(writes)
         mark = self._checkpoint(chain)
         document = {
             "checks": checks,
-            "inserts": [w.insert_invocation for w in writes if w.insert_invocation and not w.claim],
+            "inserts": inserts,
             "events": event_rows,
-            "updates": list(updates.values()),
+            "updates": [_keyed(row) for row in updates.values()],
             "results": [w.result for w in writes if w.result],
             "checkpoints": [mark] if mark else [],
         }
@@ -540,18 +513,23 @@ class Journal:
         SQLite runs the whole transaction in one worker thread with its own connection (one thread
         hop per batch, not one per statement); PostgreSQL runs it through the async connection.
         """
-        if self._sqlite is not None:
+        if self._sqlite_thread is not None:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._sqlite_thread, self._sqlite_transaction, batch, isolate)
         conn = await self._connection()
-        return await conn.run_sync(self._statements, batch, isolate)
+        return await conn.run_sync(lambda sync: self._statements(CoreStatements(sync), batch, isolate))
 
     def _sqlite_transaction(self, batch: list[Write], isolate: bool) -> dict[int, Exception]:
-        assert self._sqlite is not None
-        with self._sqlite.connect() as conn:
-            return self._statements(conn, batch, isolate)
+        if self._sqlite is None:
+            assert self._sqlite_path is not None
+            self._sqlite = SqliteStatements.connect(self._sqlite_path, self.timeout)
+        try:
+            return self._statements(self._sqlite, batch, isolate)
+        except sqlite3.Error:
+            self._close_sqlite()  # the next batch starts on a fresh connection
+            raise
 
-    def _statements(self, conn: Connection, batch: list[Write], isolate: bool) -> dict[int, Exception]:
+    def _statements(self, statements: Statements, batch: list[Write], isolate: bool) -> dict[int, Exception]:
         """One transaction for the batch (synchronous). Returns the writes refused, with why.
 
         Fenced writes and idempotency claims are checked row by row first; everything else goes
@@ -561,13 +539,12 @@ class Journal:
         chain = [self._writer_seq, self._prev_hash]
         generation = self._generation  # a timed-out batch that commits late must not move the chain
         refused: dict[int, Exception] = {}
-        outer = None if conn.in_transaction() else conn.begin()
-        try:
+        with statements.transaction():
             kept: list[Write] = []
             for w in batch:
-                if w.fence is not None and not _holds(conn, w.fence):
+                if w.fence is not None and not statements.holds(w.fence):
                     refused[id(w)] = LeaseLost(w.fence.invocation_id)
-                elif w.claim and not _claim(conn, w):
+                elif w.claim and not statements.claim(w.insert_invocation):  # type: ignore[arg-type]
                     refused[id(w)] = IdempotencyConflict(w.insert_invocation["invocation_id"])  # type: ignore[index]
                 else:
                     kept.append(w)
@@ -575,59 +552,63 @@ class Journal:
                 for w in kept:
                     saved = list(chain)
                     try:
-                        with conn.begin_nested():
-                            self._insert(conn, [w], chain)
-                    except IntegrityError as exc:
+                        with statements.savepoint():
+                            self._insert(statements, [w], chain)
+                    except statements.integrity_errors as exc:
                         chain[:] = saved
                         refused[id(w)] = LeaseLost(f"conflicting write: {_brief(exc)}")
             else:
-                self._insert(conn, kept, chain)
+                self._insert(statements, kept, chain)
             mark = self._checkpoint(chain)
             if mark is not None:
-                conn.execute(insert(chain_checkpoints), [mark])
-            if outer is not None:
-                outer.commit()
-        except BaseException:
-            if outer is not None:
-                outer.rollback()
-            raise
+                statements.insert(chain_checkpoints, [mark])
         if generation == self._generation:
             self._writer_seq, self._prev_hash = chain
             self._checkpointed(mark)
         return refused
 
-    def _insert(self, conn: Connection, writes: list[Write], chain: list[Any]) -> None:
+    def _insert(self, statements: Statements, writes: list[Write], chain: list[Any]) -> None:
         """The rows of ``writes`` as plain statements."""
         event_rows = self._chain_rows(writes, chain)
-        inserts = [w.insert_invocation for w in writes if w.insert_invocation and not w.claim]
-        updates = [w.update_invocation for w in writes if w.update_invocation]
+        inserts, updates = _projections(writes)
         stored = [w.result for w in writes if w.result]
         if inserts:
-            conn.execute(insert(invocations), inserts)
+            statements.insert(invocations, inserts)
         if event_rows:
-            conn.execute(insert(events), event_rows)
+            statements.insert(events, event_rows)
         if updates:
-            conn.execute(_update_projection, updates)
+            statements.update_projections(list(updates.values()))
         if stored:
-            conn.execute(insert(results), stored)
+            statements.insert(results, stored)
 
 
-def _claim(conn: Connection, w: Write) -> bool:
-    """Insert a keyed invocation unless (agent, scope, key) is taken; True if it was inserted."""
-    statement = (pg_insert if conn.dialect.name == "postgresql" else sqlite_insert)(invocations).values(w.insert_invocation)
-    statement = statement.on_conflict_do_nothing(
-        index_elements=["agent", "idempotency_scope", "idempotency_key"]
-    ).returning(invocations.c.invocation_id)
-    return conn.execute(statement).first() is not None
+def _projections(writes: list[Write]) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The invocation rows a batch inserts, and the projection updates it still has to make.
+
+    An invocation inserted by this batch and updated later in it (its lazy first facts riding
+    with its DISPATCH_STARTED) is inserted once with its latest projection; of several updates
+    of one invocation only the last counts. A claimed insert is made by the claim check, so
+    updates of it stay updates.
+    """
+    inserts: dict[str, dict[str, Any]] = {}
+    updates: dict[str, dict[str, Any]] = {}
+    for w in writes:
+        if w.insert_invocation and not w.claim:
+            inserts[w.insert_invocation["invocation_id"]] = dict(w.insert_invocation)
+        if w.update_invocation:
+            key = w.update_invocation["b_invocation_id"]
+            if key in inserts:
+                inserts[key].update((k, v) for k, v in w.update_invocation.items() if k != "b_invocation_id")
+            else:
+                updates[key] = w.update_invocation
+    return list(inserts.values()), updates
 
 
-def _holds(conn: Connection, fence: Fence) -> bool:
-    """The fencing check, in the same transaction as the rows it guards."""
-    c = invocations.c
-    condition = and_(c.invocation_id == fence.invocation_id, c.generation == fence.generation, c.owner == fence.owner)
-    if fence.check_expiry:
-        condition = and_(condition, c.lease_expires_at > fence.now)
-    return conn.execute(update(invocations).where(condition).values(updated_at=fence.now)).rowcount == 1
+def _keyed(update_row: dict[str, Any]) -> dict[str, Any]:
+    """A projection update as ``affidavit_write`` takes it (keyed by ``invocation_id``)."""
+    row = dict(update_row)
+    row["invocation_id"] = row.pop("b_invocation_id")
+    return row
 
 
 #: Results larger than this (in total per batch) go through plain statements, not inline JSON.
@@ -646,7 +627,7 @@ def _json_value(value: Any) -> Any:
 
 def projection_row(invocation_id: str, values: dict[str, Any]) -> dict[str, Any]:
     """Parameters for the projection update: every projection column, always (executemany)."""
-    row = {name: values[name] for name in _PROJECTION_COLUMNS}
+    row = {name: values[name] for name in PROJECTION_COLUMNS}
     row["b_invocation_id"] = invocation_id
     return row
 

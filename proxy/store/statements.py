@@ -1,0 +1,199 @@
+"""The plain statements of a journal transaction, on either kind of connection.
+
+The journal writer (:mod:`proxy.store.journal`) decides what a batch writes and in which order;
+these classes only say how: :class:`CoreStatements` through SQLAlchemy Core on a synchronous
+connection (PostgreSQL's path for large results and isolated retries), :class:`SqliteStatements`
+through Python's ``sqlite3`` directly (the embedded journal's every commit). The second skips
+SQLAlchemy's per-row parameter processing, which runs in the writer thread holding the GIL the
+proxy needs; it stores values exactly as SQLAlchemy does for these tables (times as UTC text
+``YYYY-MM-DD HH:MM:SS.ffffff``, booleans as 0/1), so every reader sees the same rows.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Table, and_, bindparam, insert, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import IntegrityError
+
+from .schema import invocations
+
+if TYPE_CHECKING:
+    from .journal import Fence
+
+#: The projection columns every update rewrites (see proxy.contract.Record).
+PROJECTION_COLUMNS = (
+    "updated_at",
+    "stage",
+    "phase",
+    "outcome",
+    "retry",
+    "code",
+    "caller_disposition",
+    "dispatch_started",
+    "dispatch_seq",
+    "status",
+    "last_seq",
+    "attempts_used",
+    "credential_id",
+    "credential_version",
+    "injection",
+    "owner",
+    "lease_expires_at",
+)
+
+_IDEMPOTENCY = ("agent", "idempotency_scope", "idempotency_key")
+
+
+class CoreStatements:
+    """The journal's statements through SQLAlchemy Core on a synchronous connection."""
+
+    integrity_errors: tuple[type[Exception], ...] = (IntegrityError,)
+
+    _update_projection = (
+        update(invocations)
+        .where(invocations.c.invocation_id == bindparam("b_invocation_id"))
+        .values({name: bindparam(name) for name in PROJECTION_COLUMNS})
+    )
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        outer = None if self.conn.in_transaction() else self.conn.begin()
+        try:
+            yield
+        except BaseException:
+            if outer is not None:
+                outer.rollback()
+            raise
+        if outer is not None:
+            outer.commit()
+
+    @contextmanager
+    def savepoint(self) -> Iterator[None]:
+        with self.conn.begin_nested():
+            yield
+
+    def holds(self, fence: Fence) -> bool:
+        c = invocations.c
+        condition = and_(c.invocation_id == fence.invocation_id, c.generation == fence.generation, c.owner == fence.owner)
+        if fence.check_expiry:
+            condition = and_(condition, c.lease_expires_at > fence.now)
+        return self.conn.execute(update(invocations).where(condition).values(updated_at=fence.now)).rowcount == 1
+
+    def claim(self, row: dict[str, Any]) -> bool:
+        statement = (pg_insert if self.conn.dialect.name == "postgresql" else sqlite_insert)(invocations).values(row)
+        statement = statement.on_conflict_do_nothing(index_elements=list(_IDEMPOTENCY)).returning(invocations.c.invocation_id)
+        return self.conn.execute(statement).first() is not None
+
+    def insert(self, table: Table, rows: list[dict[str, Any]]) -> None:
+        self.conn.execute(insert(table), rows)
+
+    def update_projections(self, rows: list[dict[str, Any]]) -> None:
+        self.conn.execute(self._update_projection, rows)
+
+
+#: Bound variables per statement: SQLite's limit before 3.32, safe on every build.
+_SQLITE_VARIABLES = 999
+
+
+class SqliteStatements:
+    """The journal's statements through ``sqlite3`` (one connection, the writer thread's own)."""
+
+    integrity_errors: tuple[type[Exception], ...] = (sqlite3.IntegrityError,)
+
+    _update_projection = (
+        f"UPDATE invocations SET {', '.join(f'{name} = ?' for name in PROJECTION_COLUMNS)} WHERE invocation_id = ?"
+    )
+
+    def __init__(self, conn: sqlite3.Connection):
+        self.conn = conn
+
+    @classmethod
+    def connect(cls, path: str, timeout: float) -> SqliteStatements:
+        """WAL (readers beside the writer), FULL (each commit durable), explicit transactions."""
+        conn = sqlite3.connect(path, timeout=timeout, isolation_level=None, cached_statements=256)
+        sqlite_pragmas(conn, timeout)
+        return cls(conn)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        # IMMEDIATE: take the write lock up front so concurrent broker processes queue, not deadlock.
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    @contextmanager
+    def savepoint(self) -> Iterator[None]:
+        self.conn.execute("SAVEPOINT journal_write")
+        try:
+            yield
+        except BaseException:
+            self.conn.execute("ROLLBACK TO journal_write")
+            self.conn.execute("RELEASE journal_write")
+            raise
+        self.conn.execute("RELEASE journal_write")
+
+    def holds(self, fence: Fence) -> bool:
+        sql = "UPDATE invocations SET updated_at = ? WHERE invocation_id = ? AND generation = ? AND owner = ?"
+        values: list[Any] = [_stored(fence.now), fence.invocation_id, fence.generation, fence.owner]
+        if fence.check_expiry:
+            sql += " AND lease_expires_at > ?"
+            values.append(_stored(fence.now))
+        return self.conn.execute(sql, values).rowcount == 1
+
+    def claim(self, row: dict[str, Any]) -> bool:
+        sql, values = _multi_row_insert("invocations", list(row), [row])
+        return self.conn.execute(f"{sql} ON CONFLICT ({', '.join(_IDEMPOTENCY)}) DO NOTHING", values).rowcount == 1
+
+    def insert(self, table: Table, rows: list[dict[str, Any]]) -> None:
+        """All rows in as few statements as the variable limit allows (one step each, so the
+        writer thread takes the GIL back once per statement rather than once per row)."""
+        columns = list(rows[0])
+        per_statement = max(1, _SQLITE_VARIABLES // len(columns))
+        for start in range(0, len(rows), per_statement):
+            self.conn.execute(*_multi_row_insert(table.name, columns, rows[start : start + per_statement]))
+
+    def update_projections(self, rows: list[dict[str, Any]]) -> None:
+        self.conn.executemany(
+            self._update_projection,
+            [[_stored(row[name]) for name in PROJECTION_COLUMNS] + [row["b_invocation_id"]] for row in rows],
+        )
+
+
+def sqlite_pragmas(target: sqlite3.Connection | sqlite3.Cursor, timeout: float) -> None:
+    """Every journal connection: WAL (readers beside the writer), FULL (each commit durable),
+    and a busy timeout (other broker processes hold the write lock briefly)."""
+    target.execute("PRAGMA journal_mode=WAL")
+    target.execute("PRAGMA synchronous=FULL")
+    target.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
+
+
+def _multi_row_insert(table: str, columns: list[str], rows: list[dict[str, Any]]) -> tuple[str, list[Any]]:
+    group = f"({', '.join('?' * len(columns))})"
+    sql = f"INSERT INTO {table} ({', '.join(columns)}) VALUES {', '.join([group] * len(rows))}"
+    return sql, [_stored(row[name]) for row in rows for name in columns]
+
+
+def _stored(value: Any) -> Any:
+    """A value as SQLAlchemy's SQLite dialect stores it (times: naive text, the zone dropped)."""
+    if isinstance(value, datetime):
+        return value.replace(tzinfo=None).isoformat(" ", "microseconds")
+    return value
