@@ -187,14 +187,12 @@ class BrokerAddon:
         if reply is None:
             return
         failpoint_now("during_delivery")
-        try:
-            if flow.error is None and flow.client_conn.timestamp_end is None:
-                if reply.delivered is not None:
-                    reply.delivered()
-            elif reply.undelivered is not None:
-                reply.undelivered()
-        except Exception:
-            log.exception("could not record delivery of %s", reply.invocation_id)
+        handed = flow.error is None and flow.client_conn.timestamp_end is None
+        record = reply.delivered if handed else reply.undelivered
+        if record is not None:
+            # mitmproxy writes the response as soon as this hook returns, in the same step of the
+            # event loop; recording it afterwards takes that work off the caller's wait.
+            asyncio.get_running_loop().call_soon(_record_delivery, record, reply.invocation_id)
 
     def error(self, flow: http.HTTPFlow) -> None:
         try:
@@ -207,6 +205,13 @@ class BrokerAddon:
         except Exception:
             log.exception("could not record a caller's disconnect")
 
+
+
+def _record_delivery(record: Callable[[], None], invocation_id: str | None) -> None:
+    try:
+        record()
+    except Exception:
+        log.exception("could not record delivery of %s", invocation_id)
 
 
 class _CallerWatch:

@@ -139,9 +139,22 @@ class InvocationLog:
                 self._log_end()
 
     def _log_end(self) -> None:
-        """One structured line per ended attempt: what happened, never anything secret."""
-        record, identity = self.record, self.identity
-        now = time.monotonic()
+        """One structured line per ended attempt: what happened, never anything secret.
+
+        The end is usually appended just before a commit the caller waits for. Inside the event
+        loop the line is written two turns later: the next turn is when the journal writer sends
+        that commit, so the line is written while the database works, not while the caller waits.
+        """
+        record, now = self.record, time.monotonic()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._emit_end(record, now)
+        else:
+            loop.call_soon(loop.call_soon, self._emit_end, record, now)
+
+    def _emit_end(self, record: Record, now: float) -> None:
+        identity = self.identity
         metrics.invocation_ended(identity.route, record.phase.value, record.outcome.value, record.code.value if record.code else None)
         log.info(
             "invocation ended",
