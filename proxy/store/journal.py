@@ -471,6 +471,8 @@ class Journal:
             "results": [w.result for w in writes if w.result],
             "checkpoints": [mark] if mark else [],
         }
+        # Empty parts are left out: the function skips the statements of absent parts (0009).
+        document = {part: rows for part, rows in document.items() if rows}
         return orjson.dumps(document, default=_json_value).decode(), mark
 
     def _checkpoint(self, chain: list[Any]) -> dict[str, Any] | None:
