@@ -722,8 +722,8 @@ def main(argv: list[str] | None = None) -> int:
             meta["pg_commit_floor"] = floor = services.commit_floor()
             print(
                 f"PostgreSQL alone: one-row INSERT+COMMIT p50 {floor['insert_commit_us']:.0f} us, "
-                f"SELECT 1 p50 {floor['select_1_us']:.0f} us (asyncpg, one after another). At c=1 Affidavit waits "
-                "for two commits in series per request, so its +p50 cannot go below about twice the first."
+                f"SELECT 1 p50 {floor['select_1_us']:.0f} us (asyncpg, one after another). At c=1 every Affidavit "
+                "request waits for two commits in series: about twice the first figure of its latency is the journal's."
             )
     except KeyboardInterrupt:
         interrupted = True
