@@ -4,6 +4,7 @@ refused writes (lost fences, taken keys, colliding rows) fail alone on both dial
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -209,3 +210,20 @@ def test_an_invocation_inserted_and_updated_in_one_batch_is_stored_at_its_last_p
     assert (row["stage"], row["outcome"], row["last_seq"], row["status"]) == ("committed", "committed", 4, 201)
     assert row["created_at"].replace(tzinfo=None) == NOW.replace(tzinfo=None)
     assert row["retry_budget"] == 3 and row["remote_contract"] is True
+
+
+def test_a_failed_sqlite_transaction_leaves_nothing_and_the_next_one_starts_clean(tmp_path):
+    path = tmp_path / "rollback.db"
+    migrate.upgrade(f"sqlite+aiosqlite:///{path}")
+    statements = SqliteStatements.connect(str(path), 5.0)
+    with pytest.raises(RuntimeError):
+        with statements.transaction():
+            statements.insert(invocations, [invocation_row("act_lost")])
+            raise RuntimeError("a bug between two statements")
+    with pytest.raises(sqlite3.IntegrityError):
+        with statements.transaction():
+            statements.insert(invocations, [invocation_row("act_dup"), invocation_row("act_dup")])
+    with statements.transaction():
+        statements.insert(invocations, [invocation_row("act_kept")])
+    statements.close()
+    assert [row["invocation_id"] for row in _stored(path)["invocations"]] == ["act_kept"]
