@@ -410,7 +410,7 @@ class Journal:
                 w.future.set_result(None)  # type: ignore[union-attr]
 
     async def _write(self, batch: list[Write]) -> dict[int, Exception]:
-        if self._sqlite_path is None and sum(len(w.result["body"]) for w in batch if w.result) < _INLINE_LIMIT:
+        if self._sqlite_thread is None and sum(len(w.result["body"]) for w in batch if w.result) < _INLINE_LIMIT:
             return await self._call_batch(await self._connection(), batch)
         return await self._transaction(batch, isolate=False)
 
