@@ -134,12 +134,53 @@ def test_a_big_batch_is_split_under_sqlites_variable_limit(tmp_path):
     path = tmp_path / "big.db"
     migrate.upgrade(f"sqlite+aiosqlite:///{path}")
     statements = SqliteStatements.connect(str(path), 5.0)
+    statements.conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)  # as builds before 3.32 have it
     with statements.transaction():
         statements.insert(invocations, [invocation_row(f"act_{n:04d}") for n in range(200)])  # 33 columns each
         statements.insert(events, [event_row(f"act_{n:04d}", 1, n + 1) for n in range(200)])
     statements.close()
     stored = _stored(path)
     assert len(stored["invocations"]) == 200 and len(stored["events"]) == 200
+
+
+def test_many_updates_in_one_batch_land_like_one_statement_each(tmp_path):
+    """sqlite3 updates a batch's projections with a few ``UPDATE ... FROM (VALUES ...)``
+    statements; the rows must end exactly as SQLAlchemy's one-update-per-row leaves them, past
+    the variable limit and with two updates of one invocation (the later wins)."""
+    count = 130  # 18 variables per row: 55 rows per statement, so three statements
+    stored = {}
+    for name in ("core", "sqlite3"):
+        path = tmp_path / f"{name}.db"
+        migrate.upgrade(f"sqlite+aiosqlite:///{path}")
+        updates = []
+        for n in range(count):
+            projection = invocation_row(f"act_{n:04d}")
+            projection.update(stage="committed", phase="result_delivery", outcome="committed", status=200 + n % 3,
+                              last_seq=n, updated_at=NOW + timedelta(milliseconds=n))
+            updates.append(projection_row(f"act_{n:04d}", projection))
+        later = dict(updates[7], stage="delivered", last_seq=999)
+        if name == "core":
+            engine = create_engine(f"sqlite:///{path}")
+            with engine.connect() as conn:
+                statements: CoreStatements | SqliteStatements = CoreStatements(conn)
+                with statements.transaction():
+                    statements.insert(invocations, [invocation_row(f"act_{n:04d}") for n in range(count + 1)])
+                    for row in [*updates, later]:  # one at a time, in order
+                        statements.update_projections([row])
+            engine.dispose()
+        else:
+            statements = SqliteStatements.connect(str(path), 5.0)
+            statements.conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)  # as old builds have it
+            with statements.transaction():
+                statements.insert(invocations, [invocation_row(f"act_{n:04d}") for n in range(count + 1)])
+                statements.update_projections([*updates, later])
+            statements.close()
+        stored[name] = _stored(path)["invocations"]
+    assert stored["sqlite3"] == stored["core"]
+    rows = {row["invocation_id"]: row for row in stored["sqlite3"]}
+    assert rows["act_0007"]["stage"] == "delivered" and rows["act_0007"]["last_seq"] == 999
+    assert rows["act_0129"]["stage"] == "committed" and rows["act_0129"]["status"] == 200 + 129 % 3
+    assert rows[f"act_{count:04d}"]["stage"] == invocation_row("x")["stage"]  # not in the batch: untouched
 
 
 def test_refused_writes_fail_alone_and_the_rest_of_their_batch_lands(db):  # noqa: F811 - the fixture
