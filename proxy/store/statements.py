@@ -120,6 +120,7 @@ class SqliteStatements:
         " FROM (VALUES"
     )
     _update_group = f"({', '.join('?' * (len(PROJECTION_COLUMNS) + 1))})"
+    _update_where = f") AS v WHERE invocation_id = v.column{len(PROJECTION_COLUMNS) + 1}"
 
     def __init__(self, conn: sqlite3.Connection):
         self.conn = conn
@@ -173,9 +174,8 @@ class SqliteStatements:
         """All rows in as few statements as the variable limit allows (one step each, so the
         writer thread takes the GIL back once per statement rather than once per row)."""
         columns = list(rows[0])
-        per_statement = max(1, _SQLITE_VARIABLES // len(columns))
-        for start in range(0, len(rows), per_statement):
-            self.conn.execute(*_multi_row_insert(table.name, columns, rows[start : start + per_statement]))
+        for chunk in _chunks(rows, len(columns)):
+            self.conn.execute(*_multi_row_insert(table.name, columns, chunk))
 
     def update_projections(self, rows: list[dict[str, Any]]) -> None:
         """All updates in as few statements as the variable limit allows (``UPDATE ... FROM
@@ -186,10 +186,8 @@ class SqliteStatements:
         if sqlite3.sqlite_version_info < (3, 33):
             self.conn.executemany(self._update_projection, [_update_values(row) for row in latest])
             return
-        per_statement = max(1, _SQLITE_VARIABLES // (len(PROJECTION_COLUMNS) + 1))
-        for start in range(0, len(latest), per_statement):
-            chunk = latest[start : start + per_statement]
-            sql = f"{self._update_from} {', '.join([self._update_group] * len(chunk))}) AS v WHERE invocation_id = v.column{len(PROJECTION_COLUMNS) + 1}"
+        for chunk in _chunks(latest, len(PROJECTION_COLUMNS) + 1):
+            sql = f"{self._update_from} {', '.join([self._update_group] * len(chunk))}{self._update_where}"
             self.conn.execute(sql, [value for row in chunk for value in _update_values(row)])
 
 
@@ -199,6 +197,13 @@ def sqlite_pragmas(target: sqlite3.Connection | sqlite3.Cursor, timeout: float) 
     target.execute("PRAGMA journal_mode=WAL")
     target.execute("PRAGMA synchronous=FULL")
     target.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
+
+
+def _chunks(rows: list[dict[str, Any]], variables_per_row: int) -> Iterator[list[dict[str, Any]]]:
+    """``rows`` in slices that each fit one statement under the variable limit."""
+    per_statement = max(1, _SQLITE_VARIABLES // variables_per_row)
+    for start in range(0, len(rows), per_statement):
+        yield rows[start : start + per_statement]
 
 
 def _multi_row_insert(table: str, columns: list[str], rows: list[dict[str, Any]]) -> tuple[str, list[Any]]:
