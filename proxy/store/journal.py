@@ -38,8 +38,9 @@ from .. import metrics
 from ..failpoints import failpoint
 from ..crypto import KeyRing, payload_codec, payload_decoder, result_codec, result_decoder
 from .leases import ReplayTally
+from .sqlite_writer import SqliteWriter
 from .schema import events, invocations, results
-from .statements import PROJECTION_COLUMNS, CoreStatements, SqliteStatements, sqlite_pragmas
+from .statements import PROJECTION_COLUMNS, CoreStatements, Fence, SqliteStatements, sqlite_pragmas
 from .vault_schema import chain_checkpoints, checkpoint_due, checkpoint_row
 
 log = logging.getLogger("affidavit.journal")
@@ -69,22 +70,6 @@ class EventRow:
     at: datetime
     payload: bytes
     key_id: str | None = None
-
-
-@dataclass(slots=True)
-class Fence:
-    """Write only if the invocation is still at ``generation`` and owned by ``owner``.
-
-    ``check_expiry`` adds "and the lease has not run out": required for the dispatch write (a
-    worker whose lease expired is fenced before it dispatches), not for later facts about an
-    exchange that already started.
-    """
-
-    invocation_id: str
-    generation: int
-    owner: str
-    now: datetime
-    check_expiry: bool = False
 
 
 @dataclass(slots=True)
@@ -220,13 +205,16 @@ class Journal:
         self._wakeup: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._conn: AsyncConnection | None = None
-        # SQLite: the journal writes through its own sqlite3 connection in one worker thread
-        # (opened there on the first batch).
+        # SQLite: batches go to a writer process of their own (proxy.store.sqlite_writer); the
+        # rare isolated retry after a collision runs in one worker thread with its own sqlite3
+        # connection (opened there when first needed).
         self._sqlite_path: str | None = None
+        self._sqlite_writer: SqliteWriter | None = None
         self._sqlite: SqliteStatements | None = None
         self._sqlite_thread: ThreadPoolExecutor | None = None
         if engine.dialect.name == "sqlite":
             self._sqlite_path = engine.url.database or ":memory:"
+            self._sqlite_writer = SqliteWriter(self._sqlite_path, timeout)
             self._sqlite_thread = ThreadPoolExecutor(1, thread_name_prefix="affidavit-journal")
         self._driver: Any = None  # the asyncpg connection under ``_conn`` (PostgreSQL fast path)
         self._generation = 0
@@ -257,6 +245,11 @@ class Journal:
                 self._writer_seq, self._prev_hash = int(last[0]), last[1]
                 self._checkpoint_seq = self._writer_seq
         self._checkpoint_at = time.monotonic()
+        if self._sqlite_writer is not None:
+            try:
+                await self._sqlite_writer.start()
+            except Exception as exc:  # the first batch tries again, and fails closed if it must
+                log.warning("journal: could not start the SQLite writer process: %s", _brief(exc))
         self._task = asyncio.create_task(self._run(), name="affidavit journal writer")
 
     async def close(self) -> None:
@@ -276,6 +269,8 @@ class Journal:
                 pass
             self._task = None
         await self._drop_connection()
+        if self._sqlite_writer is not None:
+            await self._sqlite_writer.close()
         if self._sqlite_thread is not None:
             await asyncio.get_running_loop().run_in_executor(self._sqlite_thread, self._close_sqlite)
 
@@ -410,30 +405,42 @@ class Journal:
                 w.future.set_result(None)  # type: ignore[union-attr]
 
     async def _write(self, batch: list[Write]) -> dict[int, Exception]:
-        if self._sqlite_thread is None and sum(len(w.result["body"]) for w in batch if w.result) < _INLINE_LIMIT:
-            return await self._call_batch(await self._connection(), batch)
+        if self._sqlite_writer is not None:
+            return await self._call_batch(self._sqlite_writer.write, batch)
+        if sum(len(w.result["body"]) for w in batch if w.result) < _INLINE_LIMIT:
+            return await self._call_batch(self._write_pg, batch)
         return await self._transaction(batch, isolate=False)
 
-    async def _call_batch(self, conn: AsyncConnection, batch: list[Write]) -> dict[int, Exception]:
-        """PostgreSQL: the whole batch in one ``affidavit_write`` call (one round trip, autocommit).
-
-        Refused fences or claims come back as SQLSTATE AF001 with nothing written; those writes
-        are dropped, the rest re-chained, and the call repeated.
-        """
+    async def _write_pg(self, document: bytes) -> list[dict[str, Any]]:
+        """PostgreSQL: one ``affidavit_write`` call (one round trip, autocommit); refused checks
+        come back as SQLSTATE AF001 with nothing written."""
         driver = self._driver
         if driver is None or driver.is_closed():
+            conn = await self._connection()
             driver = self._driver = (await conn.get_raw_connection()).driver_connection
+        try:
+            await driver.execute(_BATCH_CALL, document.decode())
+        except asyncpg.PostgresError as exc:
+            if getattr(exc, "sqlstate", None) != "AF001":
+                raise
+            return list(json.loads(exc.detail or "[]"))
+        return []
+
+    async def _call_batch(
+        self, execute: Callable[[bytes], Awaitable[list[dict[str, Any]]]], batch: list[Write]
+    ) -> dict[int, Exception]:
+        """The whole batch as one document (``affidavit_write`` on PostgreSQL, the writer process
+        on SQLite). Refused fences or claims come back with nothing written; those writes are
+        dropped, the rest re-chained, and the document sent again.
+        """
         refused: dict[int, Exception] = {}
         live = list(batch)
         while True:
             chain = [self._writer_seq, self._prev_hash]
             payload, mark = self._payload(live, chain)
-            try:
-                await driver.execute(_BATCH_CALL, payload)
-            except asyncpg.PostgresError as exc:
-                if getattr(exc, "sqlstate", None) != "AF001":
-                    raise
-                for item in json.loads(exc.detail or "[]"):
+            answer = await execute(payload)
+            if answer:
+                for item in answer:
                     w = live[item["write"]]
                     refused[id(w)] = (
                         IdempotencyConflict(w.insert_invocation["invocation_id"])  # type: ignore[index]
@@ -446,7 +453,7 @@ class Journal:
             self._checkpointed(mark)
             return refused
 
-    def _payload(self, writes: list[Write], chain: list[Any]) -> tuple[str, dict[str, Any] | None]:
+    def _payload(self, writes: list[Write], chain: list[Any]) -> tuple[bytes, dict[str, Any] | None]:
         """The batch as one JSON document for ``affidavit_write`` (bytes as ``\\x`` hex)."""
         checks: list[dict[str, Any]] = []
         for i, w in enumerate(writes):
@@ -473,7 +480,7 @@ class Journal:
         }
         # Empty parts are left out: the function skips the statements of absent parts (0009).
         document = {part: rows for part, rows in document.items() if rows}
-        return orjson.dumps(document, default=_json_value).decode(), mark
+        return orjson.dumps(document, default=_json_value), mark
 
     def _checkpoint(self, chain: list[Any]) -> dict[str, Any] | None:
         """A chain checkpoint row if one is due after this batch (same transaction as its events)."""
@@ -510,7 +517,7 @@ class Journal:
         return rows
 
     async def _transaction(self, batch: list[Write], *, isolate: bool) -> dict[int, Exception]:
-        """Plain statements: SQLite always, PostgreSQL for large results and isolated retries.
+        """Plain statements: isolated retries, and PostgreSQL's batches with large results.
 
         SQLite runs the whole transaction in one worker thread with its own connection (one thread
         hop per batch, not one per statement); PostgreSQL runs it through the async connection.

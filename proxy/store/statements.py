@@ -3,10 +3,11 @@
 The journal writer (:mod:`proxy.store.journal`) decides what a batch writes and in which order;
 these classes only say how: :class:`CoreStatements` through SQLAlchemy Core on a synchronous
 connection (PostgreSQL's path for large results and isolated retries), :class:`SqliteStatements`
-through Python's ``sqlite3`` directly (the embedded journal's every commit). The second skips
-SQLAlchemy's per-row parameter processing, which runs in the writer thread holding the GIL the
-proxy needs; it stores values exactly as SQLAlchemy does for these tables (times as UTC text
-``YYYY-MM-DD HH:MM:SS.ffffff``, booleans as 0/1), so every reader sees the same rows.
+through Python's ``sqlite3`` directly (the embedded journal's every commit, in its writer process,
+see :mod:`proxy.store.sqlite_writer`, and its isolated retries, in a thread). The second skips
+SQLAlchemy's per-row parameter processing; it stores values exactly as SQLAlchemy does for these
+tables (times as UTC text ``YYYY-MM-DD HH:MM:SS.ffffff``, booleans as 0/1), so every reader sees
+the same rows.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import Table, and_, bindparam, insert, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -25,8 +27,22 @@ from sqlalchemy.exc import IntegrityError
 
 from .schema import invocations
 
-if TYPE_CHECKING:
-    from .journal import Fence
+
+@dataclass(slots=True)
+class Fence:
+    """Write only if the invocation is still at ``generation`` and owned by ``owner``.
+
+    ``check_expiry`` adds "and the lease has not run out": required for the dispatch write (a
+    worker whose lease expired is fenced before it dispatches), not for later facts about an
+    exchange that already started.
+    """
+
+    invocation_id: str
+    generation: int
+    owner: str
+    now: datetime
+    check_expiry: bool = False
+
 
 #: The projection columns every update rewrites (see proxy.contract.Record).
 PROJECTION_COLUMNS = (
@@ -107,7 +123,7 @@ _SQLITE_VARIABLES = 999
 
 
 class SqliteStatements:
-    """The journal's statements through ``sqlite3`` (one connection, the writer thread's own)."""
+    """The journal's statements through ``sqlite3`` (one connection, its writer's own)."""
 
     integrity_errors: tuple[type[Exception], ...] = (sqlite3.IntegrityError,)
 
@@ -171,17 +187,17 @@ class SqliteStatements:
         return self.conn.execute(f"{sql} ON CONFLICT ({', '.join(_IDEMPOTENCY)}) DO NOTHING", values).rowcount == 1
 
     def insert(self, table: Table, rows: list[dict[str, Any]]) -> None:
-        """All rows in as few statements as the variable limit allows (one step each, so the
-        writer thread takes the GIL back once per statement rather than once per row)."""
+        """All rows in as few statements as the variable limit allows (one step each, rather than
+        one per row: fewer statements to prepare and, in a thread, fewer GIL hand-overs)."""
         columns = list(rows[0])
         for chunk in _chunks(rows, len(columns)):
             self.conn.execute(*_multi_row_insert(table.name, columns, chunk))
 
     def update_projections(self, rows: list[dict[str, Any]]) -> None:
         """All updates in as few statements as the variable limit allows (``UPDATE ... FROM
-        (VALUES ...)``, SQLite 3.33+): the writer thread waits for the GIL after every statement,
-        and under load that wait, not SQLite, is what a statement costs. Of two updates of one
-        invocation the later wins, as it would one statement after the other."""
+        (VALUES ...)``, SQLite 3.33+): one statement instead of one per row (in a thread beside
+        the event loop, every statement waits for the GIL). Of two updates of one invocation the
+        later wins, as it would one statement after the other."""
         latest = list({row["b_invocation_id"]: row for row in rows}.values())
         if sqlite3.sqlite_version_info < (3, 33):
             self.conn.executemany(self._update_projection, [_update_values(row) for row in latest])

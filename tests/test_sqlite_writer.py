@@ -1,0 +1,240 @@
+"""The SQLite journal's writer process: the same rows as in-process statements, faults of the
+process itself (hung, killed, orphaned) cost at most the batch it held, and it inherits no secrets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from proxy.invocation_log import new_invocation_id
+from proxy.store import migrate
+from proxy.store.journal import GENESIS, EventRow, Fence, Journal, JournalUnavailable, Write, make_engine, projection_row
+from proxy.store.schema import events, invocations
+from proxy.store.sqlite_writer import SqliteWriter
+from proxy.store.statements import SqliteStatements
+from tests.test_journal_statements import _stored, invocation_row
+
+NOW = datetime(2026, 11, 30, 12, 0, 0, 123456, tzinfo=UTC)
+ON_THE_SECOND = datetime(2026, 11, 30, 12, 0, 1, tzinfo=UTC)  # no fraction: ISO text without one
+
+
+def _migrated(path: Path) -> str:
+    url = f"sqlite+aiosqlite:///{path}"
+    migrate.upgrade(url)
+    return url
+
+
+def _batch(earlier: str, fresh: str, keyed: str) -> list[Write]:
+    """Every part of a document: a fenced update, a claim, inserts, events (binary payloads,
+    times with and without a fraction), a result."""
+    moved = invocation_row(earlier, stage="dispatched", phase="remote_execution", outcome="unknown",
+                           dispatch_started=True, dispatch_seq=2, last_seq=2, updated_at=ON_THE_SECOND)
+    return [
+        Write(events=[EventRow(earlier, 2, "DISPATCH_STARTED", ON_THE_SECOND, b'{"attempt":1}')],
+              update_invocation=projection_row(earlier, moved), fence=Fence(earlier, 2, "broker-a", NOW)),
+        Write(events=[EventRow(keyed, 1, "ACTION_ACCEPTED", NOW, b"\x00\xff binary", key_id="k2026")],
+              insert_invocation=invocation_row(keyed, key="fresh-key"), claim=True),
+        Write(events=[EventRow(fresh, 1, "ACTION_ACCEPTED", NOW, b"{}"), EventRow(fresh, 2, "PREFLIGHT_VALIDATED", NOW, b"{}")],
+              insert_invocation=invocation_row(fresh, generation=0),
+              result={"invocation_id": fresh, "stored_at": ON_THE_SECOND, "status": 201, "headers": '[["A","b"]]',
+                      "body": b"\x00\x01 body", "body_sha256": "3" * 64, "framing": "content-length", "key_id": None}),
+    ]
+
+
+def test_the_writer_process_stores_a_batch_exactly_as_in_process_statements_do(tmp_path):
+    ids = [new_invocation_id() for _ in range(3)]
+    earlier = ids[0]
+    stored = {}
+    for way in ("process", "in-process"):
+        path = tmp_path / f"{way}.db"
+        journal = Journal(make_engine(_migrated(path)), writer="w1")
+        setup = SqliteStatements.connect(str(path), 5.0)
+        with setup.transaction():
+            setup.insert(invocations, [invocation_row(earlier)])
+        writes = _batch(*ids)
+        if way == "process":
+            document, _ = journal._payload(writes, [0, GENESIS])
+
+            async def apply(document: bytes = document, path: Path = path) -> list:
+                writer = SqliteWriter(str(path), 5.0)
+                try:
+                    return await writer.write(document)
+                finally:
+                    await writer.close()
+
+            assert asyncio.run(apply()) == [], "nothing refused"
+        else:
+            assert journal._statements(setup, writes, isolate=False) == {}
+        setup.close()
+        asyncio.run(journal.engine.dispose())
+        stored[way] = _stored(path)
+    assert stored["process"] == stored["in-process"]
+    # And what was stored is what was handed over: bytes as bytes, times to the microsecond.
+    rows = {(e["invocation_id"], e["seq"]): e for e in stored["process"]["events"]}
+    assert rows[(earlier, 2)]["at"] == ON_THE_SECOND.replace(tzinfo=None)
+    assert b"\x00\xff binary" in [e["payload"] for e in rows.values()]
+    assert stored["process"]["results"][0]["body"] == b"\x00\x01 body"
+    projection = {r["invocation_id"]: r for r in stored["process"]["invocations"]}[earlier]
+    assert (projection["stage"], projection["updated_at"]) == ("dispatched", ON_THE_SECOND.replace(tzinfo=None))
+
+
+def test_a_refused_check_in_the_writer_process_writes_nothing_of_its_batch(tmp_path):
+    path = tmp_path / "refused.db"
+    url = _migrated(path)
+    earlier = new_invocation_id()
+    setup = SqliteStatements.connect(str(path), 5.0)
+    with setup.transaction():
+        setup.insert(invocations, [invocation_row(earlier)])
+    setup.close()
+    writes = _batch(earlier, new_invocation_id(), new_invocation_id())
+    writes[0].fence = Fence(earlier, 9, "broker-a", NOW)  # a generation the invocation is not at
+    journal = Journal(make_engine(url), writer="w1")
+    document, _ = journal._payload(writes, [0, GENESIS])
+
+    async def apply() -> list:
+        writer = SqliteWriter(str(path), 5.0)
+        try:
+            return await writer.write(document)
+        finally:
+            await writer.close()
+            await journal.engine.dispose()
+
+    assert asyncio.run(apply()) == [{"write": 0, "why": "fence"}]
+    stored = _stored(path)
+    assert [r["invocation_id"] for r in stored["invocations"]] == [earlier], "not even the claim's insert"
+    assert stored["events"] == [] and stored["results"] == []
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie nobody reaped counts: it runs nothing and holds no lock)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+async def _until(check, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def _write(invocation_id: str) -> Write:
+    return Write(events=[EventRow(invocation_id, 1, "ACTION_ACCEPTED", NOW, b"{}")],
+                 insert_invocation=invocation_row(invocation_id, generation=0))
+
+
+async def _stored_ids(journal: Journal) -> list[str]:
+    async with journal.engine.connect() as conn:
+        return sorted((await conn.execute(select(events.c.invocation_id))).scalars())
+
+
+def test_a_hung_writer_process_fails_only_its_batch_within_the_timeout_and_a_new_one_takes_the_next(tmp_path):
+    url = _migrated(tmp_path / "hung.db")
+
+    async def scenario() -> None:
+        journal = Journal(make_engine(url), writer="w1", timeout=1.0)
+        await journal.start()
+        first, lost, after = new_invocation_id(), new_invocation_id(), new_invocation_id()
+        await journal.commit(_write(first))
+        hung = journal._sqlite_writer.pid
+        os.kill(hung, signal.SIGSTOP)  # the fault: alive, holding its pipe, answering nothing
+        started = time.monotonic()
+        with pytest.raises(JournalUnavailable):
+            await journal.commit(_write(lost))
+        assert time.monotonic() - started < 3.0, "bounded by the journal's timeout"
+        await _until(lambda: _gone(hung))  # killed: a late commit must not land after the answer
+        await journal.commit(_write(after))
+        assert journal._sqlite_writer.pid not in (None, hung)
+        assert await _stored_ids(journal) == sorted([first, after]), "the stopped process read nothing"
+        writer = journal._sqlite_writer.pid
+        await journal.close()
+        assert _gone(writer), "closing the journal ends its writer process"
+        await journal.engine.dispose()
+
+    asyncio.run(scenario())
+
+
+def test_a_killed_writer_process_is_replaced_for_the_next_batch(tmp_path):
+    url = _migrated(tmp_path / "killed.db")
+
+    async def scenario() -> None:
+        journal = Journal(make_engine(url), writer="w1")
+        await journal.start()
+        first, after = new_invocation_id(), new_invocation_id()
+        await journal.commit(_write(first))
+        killed = journal._sqlite_writer.pid
+        os.kill(killed, signal.SIGKILL)
+        await _until(lambda: journal._sqlite_writer.pid is None)  # the broker noticed the exit
+        await journal.commit(_write(after))
+        assert journal._sqlite_writer.pid not in (None, killed)
+        assert await _stored_ids(journal) == sorted([first, after])
+        assert journal.healthy
+        await journal.close()
+        await journal.engine.dispose()
+
+    asyncio.run(scenario())
+
+
+def test_the_writer_process_inherits_no_secrets_from_the_environment(tmp_path, monkeypatch):
+    canary = "canary-" + os.urandom(8).hex()
+    monkeypatch.setenv("AFFIDAVIT_AGENT_TOKEN", canary)
+    monkeypatch.setenv("PAYMENTS_API_KEY", canary)
+    url = _migrated(tmp_path / "env.db")
+
+    async def scenario() -> bytes:
+        journal = Journal(make_engine(url), writer="w1")
+        await journal.start()
+        await journal.commit(_write(new_invocation_id()))
+        environ = Path(f"/proc/{journal._sqlite_writer.pid}/environ").read_bytes()
+        await journal.close()
+        await journal.engine.dispose()
+        return environ
+
+    environ = asyncio.run(scenario())
+    assert canary.encode() not in environ
+    assert b"PATH=" in environ, "what Python needs to start is still there"
+
+
+def test_the_writer_process_ends_when_its_broker_is_killed(tmp_path):
+    """A broker killed outright (no close, no flush): its writer sees end of input and exits,
+    rather than lingering with the database open."""
+    url = _migrated(tmp_path / "orphan.db")
+    broker = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import asyncio, sys, time
+            from proxy.store.journal import Journal, make_engine
+            async def main():
+                journal = Journal(make_engine({url!r}), writer="w1")
+                await journal.start()
+                print(journal._sqlite_writer.pid, flush=True)
+                await asyncio.sleep(60)
+            asyncio.run(main())
+        """)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        line = broker.stdout.readline()
+        writer = int(line)
+        assert not _gone(writer)
+        os.kill(broker.pid, signal.SIGKILL)
+        broker.wait(10)
+        deadline = time.monotonic() + 10
+        while not _gone(writer):
+            assert time.monotonic() < deadline, "the writer process outlived its broker"
+            time.sleep(0.05)
+    finally:
+        broker.kill()
+        broker.wait(10)
