@@ -62,8 +62,9 @@ def _ppid_map() -> dict[int, int]:
 def descendants(pid: int, parents: dict[int, int]) -> list[int]:
     """``pid`` and every live process below it, from the parent links in ``/proc/*/stat``
     (``/proc/<pid>/task/*/children`` would be cheaper, but not every kernel has it - the
-    reference machine's does not). mitmdump and a single broker are one process; ``affidavit
-    run --workers N`` is a supervisor with N worker children; nginx is master + worker."""
+    reference machine's does not). mitmdump and a broker on PostgreSQL are one process; on
+    SQLite a broker has a journal writer child; ``affidavit run --workers N`` is a supervisor
+    with N worker children (each with its writer on SQLite); nginx is master + worker."""
     found = [pid]
     frontier = {pid}
     while frontier:

@@ -412,7 +412,8 @@ class Target:
     pg_database: str | None = None
     info: dict[str, str] = field(default_factory=dict)
     api_port: int | None = None  # Affidavit's side API (``[api] listen``)
-    processes: int = 1  # the size of its process tree: 1 + N under ``--workers N``
+    processes: int = 1  # the least size of its process tree: 1 + N under ``--workers N``
+    pids: list[int] | None = None  # its process tree as the first measured window found it
 
 
 def start_bare(tmp: Path, pki: Pki, mitmdump: str) -> Target:
@@ -510,7 +511,9 @@ agents = ["{AGENT}"]
     argv = [affidavit, "run", "-c", str(config), *(["--workers", str(workers)] if workers > 1 else [])]
     child = spawn(name, argv, home / "broker.log", env=env, cwd=home)
     target = Target(name, port, confdir / "mitmproxy-ca-cert.pem", child, pg_database=pg_name, api_port=api_port)
-    target.processes = 1 + workers if workers > 1 else 1  # the supervisor and its workers
+    # The supervisor and its workers; each broker process on SQLite also has a journal writer
+    # process (a child of its own), which the tree check learns from the first window.
+    target.processes = 1 + workers if workers > 1 else 1
     if pg_name is not None:
         target.count_invocations = lambda: count_invocations_pg(pg_name)
     else:
