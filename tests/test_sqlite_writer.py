@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sqlite3
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,8 @@ from tests.test_journal_statements import _stored, invocation_row
 
 NOW = datetime(2026, 11, 30, 12, 0, 0, 123456, tzinfo=UTC)
 ON_THE_SECOND = datetime(2026, 11, 30, 12, 0, 1, tzinfo=UTC)  # no fraction: ISO text without one
+ELSEWHERE = datetime(2026, 11, 30, 14, 0, 2, 5, tzinfo=timezone(timedelta(hours=2)))  # stored as SQLAlchemy does
+NAIVE = datetime(2026, 11, 30, 12, 0, 3, 999999)
 
 
 def _migrated(path: Path) -> str:
@@ -42,11 +45,11 @@ def _batch(earlier: str, fresh: str, keyed: str) -> list[Write]:
     return [
         Write(events=[EventRow(earlier, 2, "DISPATCH_STARTED", ON_THE_SECOND, b'{"attempt":1}')],
               update_invocation=projection_row(earlier, moved), fence=Fence(earlier, 2, "broker-a", NOW)),
-        Write(events=[EventRow(keyed, 1, "ACTION_ACCEPTED", NOW, b"\x00\xff binary", key_id="k2026")],
+        Write(events=[EventRow(keyed, 1, "ACTION_ACCEPTED", ELSEWHERE, b"\x00\xff binary", key_id="k2026")],
               insert_invocation=invocation_row(keyed, key="fresh-key"), claim=True),
         Write(events=[EventRow(fresh, 1, "ACTION_ACCEPTED", NOW, b"{}"), EventRow(fresh, 2, "PREFLIGHT_VALIDATED", NOW, b"{}")],
               insert_invocation=invocation_row(fresh, generation=0),
-              result={"invocation_id": fresh, "stored_at": ON_THE_SECOND, "status": 201, "headers": '[["A","b"]]',
+              result={"invocation_id": fresh, "stored_at": NAIVE, "status": 201, "headers": '[["Ä","\\\\x41 ✓"]]',
                       "body": b"\x00\x01 body", "body_sha256": "3" * 64, "framing": "content-length", "key_id": None}),
     ]
 
@@ -54,7 +57,7 @@ def _batch(earlier: str, fresh: str, keyed: str) -> list[Write]:
 def test_the_writer_process_stores_a_batch_exactly_as_in_process_statements_do(tmp_path):
     ids = [new_invocation_id() for _ in range(3)]
     earlier = ids[0]
-    stored = {}
+    stored, raw = {}, {}
     for way in ("process", "in-process"):
         path = tmp_path / f"{way}.db"
         journal = Journal(make_engine(_migrated(path)), writer="w1")
@@ -78,6 +81,8 @@ def test_the_writer_process_stores_a_batch_exactly_as_in_process_statements_do(t
         setup.close()
         asyncio.run(journal.engine.dispose())
         stored[way] = _stored(path)
+        raw[way] = _raw(path)
+    assert raw["process"] == raw["in-process"], "the very text, bytes and types SQLite holds"
     assert stored["process"] == stored["in-process"]
     # And what was stored is what was handed over: bytes as bytes, times to the microsecond.
     rows = {(e["invocation_id"], e["seq"]): e for e in stored["process"]["events"]}
@@ -86,6 +91,21 @@ def test_the_writer_process_stores_a_batch_exactly_as_in_process_statements_do(t
     assert stored["process"]["results"][0]["body"] == b"\x00\x01 body"
     projection = {r["invocation_id"]: r for r in stored["process"]["invocations"]}[earlier]
     assert (projection["stage"], projection["updated_at"]) == ("dispatched", ON_THE_SECOND.replace(tzinfo=None))
+
+
+def _raw(path: Path) -> dict[str, list[tuple]]:
+    """Every stored value as SQLite holds it, with its storage class (no type conversion), and the
+    chain checkpoint but for its wall-clock time."""
+    conn = sqlite3.connect(path)
+    try:
+        out = {}
+        for table in ("invocations", "events", "results", "chain_checkpoints"):
+            columns = [row[1] for row in conn.execute(f"PRAGMA table_info({table})") if row[1] != "at" or table != "chain_checkpoints"]
+            select_list = ", ".join([*columns, *(f"typeof({c})" for c in columns)])
+            out[table] = sorted(conn.execute(f"SELECT {select_list} FROM {table}").fetchall(), key=repr)
+        return out
+    finally:
+        conn.close()
 
 
 def test_a_refused_check_in_the_writer_process_writes_nothing_of_its_batch(tmp_path):
@@ -145,16 +165,19 @@ def test_a_hung_writer_process_fails_only_its_batch_within_the_timeout_and_a_new
     url = _migrated(tmp_path / "hung.db")
 
     async def scenario() -> None:
-        journal = Journal(make_engine(url), writer="w1", timeout=1.0)
+        journal = Journal(make_engine(url), writer="w1")
         await journal.start()
         first, lost, after = new_invocation_id(), new_invocation_id(), new_invocation_id()
         await journal.commit(_write(first))
         hung = journal._sqlite_writer.pid
         os.kill(hung, signal.SIGSTOP)  # the fault: alive, holding its pipe, answering nothing
+        journal.timeout = 1.0
         started = time.monotonic()
         with pytest.raises(JournalUnavailable):
             await journal.commit(_write(lost))
         assert time.monotonic() - started < 3.0, "bounded by the journal's timeout"
+        journal.timeout = 5.0
+        assert journal.writer != "w1", "an unanswered batch ends the chain; the next rows start a new one"
         await _until(lambda: _gone(hung))  # killed: a late commit must not land after the answer
         await journal.commit(_write(after))
         assert journal._sqlite_writer.pid not in (None, hung)
@@ -167,7 +190,7 @@ def test_a_hung_writer_process_fails_only_its_batch_within_the_timeout_and_a_new
     asyncio.run(scenario())
 
 
-def test_a_killed_writer_process_is_replaced_for_the_next_batch(tmp_path):
+def test_a_writer_process_that_died_idle_is_replaced_without_failing_the_next_batch(tmp_path):
     url = _migrated(tmp_path / "killed.db")
 
     async def scenario() -> None:
@@ -177,8 +200,12 @@ def test_a_killed_writer_process_is_replaced_for_the_next_batch(tmp_path):
         await journal.commit(_write(first))
         killed = journal._sqlite_writer.pid
         os.kill(killed, signal.SIGKILL)
-        await _until(lambda: journal._sqlite_writer.pid is None)  # the broker noticed the exit
-        await journal.commit(_write(after))
+        deadline = time.monotonic() + 5
+        while not _gone(killed):  # blocking: the loop cannot learn of the exit before the commit
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert journal._sqlite_writer.pid == killed, "the broker has not noticed yet"
+        await journal.commit(_write(after))  # the hand-over fails, so a new child takes the batch
         assert journal._sqlite_writer.pid not in (None, killed)
         assert await _stored_ids(journal) == sorted([first, after])
         assert journal.healthy
@@ -208,33 +235,44 @@ def test_the_writer_process_inherits_no_secrets_from_the_environment(tmp_path, m
     assert b"PATH=" in environ, "what Python needs to start is still there"
 
 
-def test_the_writer_process_ends_when_its_broker_is_killed(tmp_path):
-    """A broker killed outright (no close, no flush): its writer sees end of input and exits,
-    rather than lingering with the database open."""
-    url = _migrated(tmp_path / "orphan.db")
+def test_the_writer_process_dies_with_its_broker_even_while_it_waits_for_the_lock(tmp_path):
+    """A broker killed outright while its writer waits for SQLite's write lock: the writer must
+    not commit that batch later (whatever recovers the broker's records has moved on by then)."""
+    path = tmp_path / "orphan.db"
+    url = _migrated(path)
+    lock = sqlite3.connect(path, isolation_level=None)
+    lock.execute("PRAGMA journal_mode=WAL")  # as every journal connection has it
+    lock.execute("BEGIN IMMEDIATE")  # another connection holds the write lock
+    invocation_id = new_invocation_id()
     broker = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
-            import asyncio, sys, time
+            import asyncio
+            from tests.test_sqlite_writer import _write
             from proxy.store.journal import Journal, make_engine
             async def main():
-                journal = Journal(make_engine({url!r}), writer="w1")
+                journal = Journal(make_engine({url!r}), writer="w1", timeout=30.0)
                 await journal.start()
                 print(journal._sqlite_writer.pid, flush=True)
-                await asyncio.sleep(60)
+                await journal.commit(_write({invocation_id!r}))
+                print("committed", flush=True)
             asyncio.run(main())
         """)],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent,
     )
     try:
-        line = broker.stdout.readline()
-        writer = int(line)
-        assert not _gone(writer)
+        writer = int(broker.stdout.readline())
+        time.sleep(1.0)  # the batch is in the writer, which waits for the lock (15 s busy timeout)
+        assert not _gone(writer) and broker.poll() is None
         os.kill(broker.pid, signal.SIGKILL)
         broker.wait(10)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 5
         while not _gone(writer):
             assert time.monotonic() < deadline, "the writer process outlived its broker"
             time.sleep(0.05)
+        lock.execute("COMMIT")  # the lock is free: a surviving writer would commit now
+        time.sleep(0.5)
+        assert lock.execute("SELECT count(*) FROM events").fetchone() == (0,)
     finally:
+        lock.close()
         broker.kill()
         broker.wait(10)

@@ -14,16 +14,21 @@ The child takes the very document ``affidavit_write`` takes on PostgreSQL (``che
 row first, and if one is refused nothing is written and the refusals are answered; otherwise
 every row, in one ``BEGIN IMMEDIATE`` ... ``COMMIT``.
 
-Frames on the child's stdin and stdout: a 4-byte big-endian length, then JSON. The answer is
-``{"refused": [...]}`` (empty: durable) or ``{"error": "integrity" | "database", "message": ...}``
-(rolled back). The child's life is bound to its stdin: it ends at end of file, so it never
-outlives the broker, and it ignores SIGINT and SIGTERM so that a stop signal to the process group
-cannot end it before the broker has written its last batch.
+Frames on the child's stdin and stdout: a 4-byte big-endian length, then JSON. The child's first
+frame says it is ready; then each answer is ``{"refused": [...]}`` (empty: durable) or
+``{"error": "integrity" | "database", "message": ...}`` (rolled back). The child's life is bound
+to the broker's: it ends at end of input, and on Linux the kernel kills it the moment the broker
+dies (``PR_SET_PDEATHSIG``), so a batch it still holds cannot commit after the broker is gone. It
+runs in a process group of its own and ignores SIGINT and SIGTERM, so a stop signal meant for the
+broker cannot end it before the broker has written its last batch. Its SQLite busy timeout is half
+the journal's timeout, so lock contention comes back as a clean error before the broker gives up
+on the child.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import signal
@@ -43,6 +48,9 @@ from .vault_schema import chain_checkpoints
 log = logging.getLogger("affidavit.journal")
 
 _FRAME = struct.Struct(">I")
+#: How long a new child may take to import and say it is ready (a loaded machine: ~1.5 s).
+_START_TIMEOUT = 30.0
+_PR_SET_PDEATHSIG = 1
 #: What the child inherits from the broker's environment: enough to start Python, no secrets.
 _ENVIRONMENT = ("PATH", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ")
 
@@ -64,15 +72,30 @@ class SqliteWriter:
         return self._proc.pid if self._proc is not None and self._proc.returncode is None else None
 
     async def start(self) -> None:
-        """Start the child now (a Python start-up is ~0.3 s; better not on the first request)."""
+        """Start the child now and wait until it says it is ready (it imports the schema, ~0.4 s;
+        better at start-up than on the first request). Raises :class:`WriterGone` if it cannot."""
         if self._proc is not None and self._proc.returncode is None:
             return
-        self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", __name__, self.path, str(self.timeout),
+        proc = self._proc = await asyncio.create_subprocess_exec(
+            # -P: never import from the working directory (it may be writable by others).
+            sys.executable, "-P", "-m", __name__,
+            os.path.abspath(self.path), str(self.timeout / 2), str(os.getpid()),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             env={name: os.environ[name] for name in _ENVIRONMENT if name in os.environ},
+            process_group=0,  # signals to the broker's process group do not reach it
         )
+        try:
+            async with asyncio.timeout(_START_TIMEOUT):
+                await self._answer(proc)
+        except BaseException as exc:
+            self.kill()
+            if isinstance(exc, (asyncio.IncompleteReadError, ConnectionError, TimeoutError)):
+                raise WriterGone(
+                    f"the SQLite writer process (pid {proc.pid}) did not start; its error, if any, is in "
+                    "the log just before this line"
+                ) from None
+            raise
 
     async def write(self, document: bytes) -> list[dict[str, Any]]:
         """Apply one batch document; returns the refused checks (empty: the rows are durable).
@@ -81,15 +104,30 @@ class SqliteWriter:
         (the database refused; nothing written) or :class:`WriterGone` (no answer: the batch
         may or may not have committed). After anything but an answer, including a cancelled
         wait, the child is killed: its frames are out of step, and a late commit must not go on.
+        A child found gone while the batch is being handed over never had all of it, so the
+        batch goes to a new child, once.
         """
-        await self.start()
-        proc = self._proc
-        assert proc is not None and proc.stdin is not None and proc.stdout is not None
+        frame = _FRAME.pack(len(document)) + document
+        for handover in (1, 2):
+            await self.start()
+            proc = self._proc
+            assert proc is not None and proc.stdin is not None
+            try:
+                proc.stdin.write(frame)
+                await proc.stdin.drain()
+                if proc.stdin.is_closing():  # the write failed (EPIPE); drain says so only next time
+                    raise ConnectionResetError("the writer process's input is closed")
+            except ConnectionError:
+                self.kill()
+                if handover == 1:
+                    continue
+                raise WriterGone(f"the SQLite writer process (pid {proc.pid}) ended before it took the batch") from None
+            except BaseException:
+                self.kill()
+                raise
+            break
         try:
-            proc.stdin.write(_FRAME.pack(len(document)) + document)
-            await proc.stdin.drain()
-            (size,) = _FRAME.unpack(await proc.stdout.readexactly(_FRAME.size))
-            answer = orjson.loads(await proc.stdout.readexactly(size))
+            answer = await self._answer(proc)
         except BaseException as exc:
             self.kill()
             if isinstance(exc, (asyncio.IncompleteReadError, ConnectionError)):
@@ -102,6 +140,13 @@ class SqliteWriter:
             error = sqlite3.IntegrityError if answer["error"] == "integrity" else sqlite3.OperationalError
             raise error(answer["message"])
         return list(answer["refused"])
+
+    @staticmethod
+    async def _answer(proc: asyncio.subprocess.Process) -> dict[str, Any]:
+        assert proc.stdout is not None
+        (size,) = _FRAME.unpack(await proc.stdout.readexactly(_FRAME.size))
+        answer: dict[str, Any] = orjson.loads(await proc.stdout.readexactly(size))
+        return answer
 
     def kill(self) -> None:
         proc, self._proc = self._proc, None
@@ -222,13 +267,30 @@ def serve(path: str, timeout: float, requests: BinaryIO, answers: BinaryIO) -> N
         statements.close()
 
 
+def _die_with(parent: int) -> None:
+    """Be killed the moment the broker dies (Linux), so a batch still waiting for the lock here
+    cannot commit after the broker, and whatever recovers its records, has moved on. Elsewhere
+    the child still ends at end of input, after the batch in hand."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the broker died before the signal was armed
+        sys.exit(0)
+
+
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    path, timeout, parent = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+    _die_with(parent)
     # Answers go to a private copy of stdout; anything else that prints goes to stderr (the log).
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    serve(sys.argv[1], float(sys.argv[2]), sys.stdin.buffer, answers)
+    ready = orjson.dumps({"ready": True})
+    answers.write(_FRAME.pack(len(ready)) + ready)
+    answers.flush()
+    serve(path, timeout, sys.stdin.buffer, answers)
 
 
 if __name__ == "__main__":
