@@ -146,6 +146,11 @@ async def serve(
     engine = make_engine(settings.database.url, settings.database.pool_size)
     journal = Journal(engine, writer=owner, ring=ring)
     await journal.start()
+    if journal.start_problem is not None:
+        # Every request would be refused (journal_unavailable) while /readyz said ready.
+        await journal.close()
+        await engine.dispose()
+        raise StartupError(f"{journal.start_problem}; see the log above")
     upstream = Upstream(ca_bundle=settings.upstream.ca_bundle)
     credentials = Credentials(settings, engine, ring)
     reader = ResultReader(settings.database.url, size=min(4, settings.database.pool_size), timeout=5.0)

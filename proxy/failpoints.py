@@ -40,6 +40,7 @@ NAMES = frozenset(
         "after_approval",  # an operator approved; the credential is not read yet
         "journal_before_commit",  # the journal writer is about to commit a batch
         "worker_start",  # a worker of `run --workers N` listens on the shared ports, not yet ready
+        "sqlite_writer_start",  # the SQLite journal is about to start its writer process
     }
 )
 

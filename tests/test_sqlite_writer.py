@@ -7,6 +7,7 @@ import asyncio
 import os
 import sqlite3
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,7 @@ from proxy.store.journal import GENESIS, EventRow, Fence, Journal, JournalUnavai
 from proxy.store.schema import events, invocations
 from proxy.store.sqlite_writer import SqliteWriter
 from proxy.store.statements import SqliteStatements
+from tests.support.broker import AFFIDAVIT
 from tests.test_journal_statements import _stored, invocation_row
 
 NOW = datetime(2026, 11, 30, 12, 0, 0, 123456, tzinfo=UTC)
@@ -276,3 +278,16 @@ def test_the_writer_process_dies_with_its_broker_even_while_it_waits_for_the_loc
         lock.close()
         broker.kill()
         broker.wait(10)
+
+
+def test_a_broker_whose_writer_process_cannot_start_refuses_to_start(make_broker, upstream):
+    """A broken install (the child cannot start) must not give a broker that says it is ready
+    and refuses every request: it stops the start, saying why."""
+    broker = make_broker(start=False, env={"AFFIDAVIT_FAILPOINTS": "sqlite_writer_start=raise"})
+    done = subprocess.run([AFFIDAVIT, "run", "--config", str(broker.config_path)],
+                          cwd=broker.workdir, env=broker._env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "affidavit: cannot start: the SQLite journal's writer process could not start" in done.stderr, done.stderr[-3000:]
+    assert "proxy listening on" not in done.stdout
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", broker.proxy_port)) != 0, "nothing is left listening"

@@ -224,6 +224,8 @@ class Journal:
         self.batches = 0
         self.errors = 0
         self.healthy = True
+        #: Why :meth:`start` could not make the journal writable (the broker refuses to start).
+        self.start_problem: str | None = None
 
     async def start(self) -> None:
         """Start the writer. A writer name that already has rows continues its chain."""
@@ -248,8 +250,9 @@ class Journal:
         if self._sqlite_writer is not None:
             try:
                 await self._sqlite_writer.start()
-            except Exception as exc:  # the first batch tries again, and fails closed if it must
-                log.warning("journal: could not start the SQLite writer process: %s", _brief(exc))
+            except Exception as exc:  # every batch tries again, and fails closed if it must
+                self.start_problem = f"the SQLite journal's writer process could not start: {_brief(exc)}"
+                log.error("journal: %s", self.start_problem)
         self._task = asyncio.create_task(self._run(), name="affidavit journal writer")
 
     async def close(self) -> None:

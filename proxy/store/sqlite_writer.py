@@ -41,6 +41,7 @@ from typing import Any, BinaryIO
 import orjson
 from sqlalchemy import DateTime, LargeBinary, Table
 
+from ..failpoints import failpoint_now
 from .schema import events, invocations, results
 from .statements import Fence, SqliteStatements
 from .vault_schema import chain_checkpoints
@@ -76,6 +77,7 @@ class SqliteWriter:
         better at start-up than on the first request). Raises :class:`WriterGone` if it cannot."""
         if self._proc is not None and self._proc.returncode is None:
             return
+        failpoint_now("sqlite_writer_start")
         proc = self._proc = await asyncio.create_subprocess_exec(
             # -P: never import from the working directory (it may be writable by others).
             sys.executable, "-P", "-m", __name__,
