@@ -39,6 +39,15 @@ def _migrated(path: Path) -> str:
     return url
 
 
+async def _in_a_writer_process(path: Path, document: bytes) -> list:
+    """One document through a writer process of its own; the refused checks it answers."""
+    writer = SqliteWriter(str(path), 5.0)
+    try:
+        return await writer.write(document)
+    finally:
+        await writer.close()
+
+
 def _batch(earlier: str, fresh: str, keyed: str) -> list[Write]:
     """Every part of a document: a fenced update, a claim, inserts, events (binary payloads,
     times with and without a fraction), a result."""
@@ -69,15 +78,7 @@ def test_the_writer_process_stores_a_batch_exactly_as_in_process_statements_do(t
         writes = _batch(*ids)
         if way == "process":
             document, _ = journal._payload(writes, [0, GENESIS])
-
-            async def apply(document: bytes = document, path: Path = path) -> list:
-                writer = SqliteWriter(str(path), 5.0)
-                try:
-                    return await writer.write(document)
-                finally:
-                    await writer.close()
-
-            assert asyncio.run(apply()) == [], "nothing refused"
+            assert asyncio.run(_in_a_writer_process(path, document)) == [], "nothing refused"
         else:
             assert journal._statements(setup, writes, isolate=False) == {}
         setup.close()
@@ -122,16 +123,8 @@ def test_a_refused_check_in_the_writer_process_writes_nothing_of_its_batch(tmp_p
     writes[0].fence = Fence(earlier, 9, "broker-a", NOW)  # a generation the invocation is not at
     journal = Journal(make_engine(url), writer="w1")
     document, _ = journal._payload(writes, [0, GENESIS])
-
-    async def apply() -> list:
-        writer = SqliteWriter(str(path), 5.0)
-        try:
-            return await writer.write(document)
-        finally:
-            await writer.close()
-            await journal.engine.dispose()
-
-    assert asyncio.run(apply()) == [{"write": 0, "why": "fence"}]
+    asyncio.run(journal.engine.dispose())
+    assert asyncio.run(_in_a_writer_process(path, document)) == [{"write": 0, "why": "fence"}]
     stored = _stored(path)
     assert [r["invocation_id"] for r in stored["invocations"]] == [earlier], "not even the claim's insert"
     assert stored["events"] == [] and stored["results"] == []

@@ -39,8 +39,8 @@ from ..failpoints import failpoint
 from ..crypto import KeyRing, payload_codec, payload_decoder, result_codec, result_decoder
 from .leases import ReplayTally
 from .sqlite_writer import SqliteWriter
-from .schema import events, invocations, results
-from .statements import PROJECTION_COLUMNS, CoreStatements, Fence, SqliteStatements, sqlite_pragmas
+from .schema import events
+from .statements import PROJECTION_COLUMNS, CoreStatements, Fence, SqliteStatements, sqlite_pragmas, store_rows
 from .vault_schema import chain_checkpoints, checkpoint_due, checkpoint_row
 
 log = logging.getLogger("affidavit.journal")
@@ -583,15 +583,7 @@ class Journal:
         """The rows of ``writes`` as plain statements."""
         event_rows = self._chain_rows(writes, chain)
         inserts, updates = _projections(writes)
-        stored = [w.result for w in writes if w.result]
-        if inserts:
-            statements.insert(invocations, inserts)
-        if event_rows:
-            statements.insert(events, event_rows)
-        if updates:
-            statements.update_projections(list(updates.values()))
-        if stored:
-            statements.insert(results, stored)
+        store_rows(statements, inserts, event_rows, list(updates.values()), [w.result for w in writes if w.result])
 
 
 def _projections(writes: list[Write]) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:

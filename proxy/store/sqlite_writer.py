@@ -35,6 +35,8 @@ import signal
 import sqlite3
 import struct
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, BinaryIO
 
@@ -43,7 +45,7 @@ from sqlalchemy import DateTime, LargeBinary, Table
 
 from ..failpoints import failpoint_now
 from .schema import events, invocations, results
-from .statements import Fence, SqliteStatements
+from .statements import Fence, SqliteStatements, store_rows
 from .vault_schema import chain_checkpoints
 
 log = logging.getLogger("affidavit.journal")
@@ -87,17 +89,9 @@ class SqliteWriter:
             env={name: os.environ[name] for name in _ENVIRONMENT if name in os.environ},
             process_group=0,  # signals to the broker's process group do not reach it
         )
-        try:
+        with self._killed_on_failure(proc, "did not start; its error, if any, is in the log just before this line"):
             async with asyncio.timeout(_START_TIMEOUT):
                 await self._answer(proc)
-        except BaseException as exc:
-            self.kill()
-            if isinstance(exc, (asyncio.IncompleteReadError, ConnectionError, TimeoutError)):
-                raise WriterGone(
-                    f"the SQLite writer process (pid {proc.pid}) did not start; its error, if any, is in "
-                    "the log just before this line"
-                ) from None
-            raise
 
     async def write(self, document: bytes) -> list[dict[str, Any]]:
         """Apply one batch document; returns the refused checks (empty: the rows are durable).
@@ -115,33 +109,34 @@ class SqliteWriter:
             proc = self._proc
             assert proc is not None and proc.stdin is not None
             try:
-                proc.stdin.write(frame)
-                await proc.stdin.drain()
-                if proc.stdin.is_closing():  # the write failed (EPIPE); drain says so only next time
-                    raise ConnectionResetError("the writer process's input is closed")
-            except ConnectionError:
-                self.kill()
-                if handover == 1:
-                    continue
-                raise WriterGone(f"the SQLite writer process (pid {proc.pid}) ended before it took the batch") from None
-            except BaseException:
-                self.kill()
-                raise
+                with self._killed_on_failure(proc, "ended before it took the batch"):
+                    proc.stdin.write(frame)
+                    await proc.stdin.drain()
+                    if proc.stdin.is_closing():  # the write failed (EPIPE); drain says so only next time
+                        raise ConnectionResetError("the writer process's input is closed")
+            except WriterGone:
+                if handover == 2:
+                    raise
+                continue
             break
-        try:
+        with self._killed_on_failure(proc, "ended without answering; a new one starts with the next batch"):
             answer = await self._answer(proc)
-        except BaseException as exc:
-            self.kill()
-            if isinstance(exc, (asyncio.IncompleteReadError, ConnectionError)):
-                raise WriterGone(
-                    f"the SQLite writer process (pid {proc.pid}) ended without answering; a new one "
-                    "starts with the next batch"
-                ) from None
-            raise
         if "error" in answer:
             error = sqlite3.IntegrityError if answer["error"] == "integrity" else sqlite3.OperationalError
             raise error(answer["message"])
         return list(answer["refused"])
+
+    @contextmanager
+    def _killed_on_failure(self, proc: asyncio.subprocess.Process, gone: str) -> Iterator[None]:
+        """Any failure, a cancelled wait included, kills the child (its frames are out of step);
+        one that says the child is gone becomes :class:`WriterGone`, saying ``gone``."""
+        try:
+            yield
+        except BaseException as exc:
+            self.kill()
+            if isinstance(exc, (asyncio.IncompleteReadError, ConnectionError, TimeoutError)):
+                raise WriterGone(f"the SQLite writer process (pid {proc.pid}) {gone}") from None
+            raise
 
     @staticmethod
     async def _answer(proc: asyncio.subprocess.Process) -> dict[str, Any]:
@@ -196,48 +191,49 @@ def _revive(table: str, row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def apply_document(statements: SqliteStatements, document: dict[str, Any]) -> list[dict[str, Any]]:
-    """One batch in one transaction; returns the refused checks (and then writes nothing)."""
-    refused: list[dict[str, Any]] = []
-    try:
-        _apply(statements, document, refused)
-    except _Refused:
-        return refused  # rolled back: the checks' own writes (claims) go too
-    return []
+def _rows(document: dict[str, Any], part: str, table: Table) -> list[dict[str, Any]]:
+    return [_revive(table.name, row) for row in document.get(part, ())]
 
 
 class _Refused(Exception):
-    pass
+    def __init__(self, refused: list[dict[str, Any]]):
+        self.refused = refused
 
 
-def _apply(statements: SqliteStatements, document: dict[str, Any], refused: list[dict[str, Any]]) -> None:
-    with statements.transaction():
-        for check in document.get("checks", ()):
-            fence = check.get("fence")
-            if fence is not None:
-                now = datetime.fromisoformat(fence["now"])
-                if not statements.holds(Fence(fence["invocation_id"], fence["generation"], fence["owner"], now,
-                                              fence["check_expiry"])):
-                    refused.append({"write": check["write"], "why": "fence"})
-                    continue
-            claim = check.get("claim")
-            if claim is not None and not statements.claim(_revive("invocations", claim)):
-                refused.append({"write": check["write"], "why": "claim"})
-        if refused:
-            raise _Refused
-        for part, table in (("inserts", invocations), ("events", events)):
-            if rows := document.get(part):
-                statements.insert(table, [_revive(table.name, row) for row in rows])
-        if updates := document.get("updates"):
-            keyed = []
+def apply_document(statements: SqliteStatements, document: dict[str, Any]) -> list[dict[str, Any]]:
+    """One batch in one transaction; returns the refused checks (and then writes nothing: the
+    transaction is rolled back, the checks' own writes, claims, with it)."""
+    try:
+        with statements.transaction():
+            if refused := _refused_checks(statements, document.get("checks", ())):
+                raise _Refused(refused)
+            updates = _rows(document, "updates", invocations)
             for row in updates:
-                row = _revive("invocations", row)
                 row["b_invocation_id"] = row.pop("invocation_id")
-                keyed.append(row)
-            statements.update_projections(keyed)
-        for part, table in (("results", results), ("checkpoints", chain_checkpoints)):
-            if rows := document.get(part):
-                statements.insert(table, [_revive(table.name, row) for row in rows])
+            store_rows(statements, _rows(document, "inserts", invocations), _rows(document, "events", events),
+                       updates, _rows(document, "results", results))
+            if checkpoints := _rows(document, "checkpoints", chain_checkpoints):
+                statements.insert(chain_checkpoints, checkpoints)
+    except _Refused as exc:
+        return exc.refused
+    return []
+
+
+def _refused_checks(statements: SqliteStatements, checks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Fences and claims, row by row, as ``affidavit_write`` checks them."""
+    refused = []
+    for check in checks:
+        fence = check.get("fence")
+        if fence is not None:
+            now = datetime.fromisoformat(fence["now"])
+            if not statements.holds(Fence(fence["invocation_id"], fence["generation"], fence["owner"], now,
+                                          fence["check_expiry"])):
+                refused.append({"write": check["write"], "why": "fence"})
+                continue
+        claim = check.get("claim")
+        if claim is not None and not statements.claim(_revive("invocations", claim)):
+            refused.append({"write": check["write"], "why": "claim"})
+    return refused
 
 
 def serve(path: str, timeout: float, requests: BinaryIO, answers: BinaryIO) -> None:

@@ -25,7 +25,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
-from .schema import invocations
+from .schema import events, invocations, results
 
 
 @dataclass(slots=True)
@@ -205,6 +205,25 @@ class SqliteStatements:
         for chunk in _chunks(latest, len(PROJECTION_COLUMNS) + 1):
             sql = f"{self._update_from} {', '.join([self._update_group] * len(chunk))}{self._update_where}"
             self.conn.execute(sql, [value for row in chunk for value in _update_values(row)])
+
+
+def store_rows(
+    statements: CoreStatements | SqliteStatements,
+    inserts: list[dict[str, Any]],
+    event_rows: list[dict[str, Any]],
+    updates: list[dict[str, Any]],
+    stored: list[dict[str, Any]],
+) -> None:
+    """A batch's rows, in the order every journal path writes them: new invocations, events,
+    projection updates (keyed by ``b_invocation_id``), stored results."""
+    if inserts:
+        statements.insert(invocations, inserts)
+    if event_rows:
+        statements.insert(events, event_rows)
+    if updates:
+        statements.update_projections(updates)
+    if stored:
+        statements.insert(results, stored)
 
 
 def sqlite_pragmas(target: sqlite3.Connection | sqlite3.Cursor, timeout: float) -> None:
