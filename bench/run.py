@@ -66,8 +66,9 @@ import services  # noqa: E402
 from services import Pki, StartError, Target, Upstream  # noqa: E402
 
 ALL_TARGETS = ("bare", "affidavit-pg", "affidavit-sqlite")
-# direct: no proxy, the upstream + load generator ceiling; *-workers: `affidavit run --workers N`.
-OPTIONAL_TARGETS = ("direct", "affidavit-pg-workers", "affidavit-sqlite-workers")
+# direct: no proxy, the upstream + load generator ceiling; lean: the broker's mitmproxy master
+# with no broker addon (bench/lean_master.py); *-workers: `affidavit run --workers N`.
+OPTIONAL_TARGETS = ("direct", "lean", "affidavit-pg-workers", "affidavit-sqlite-workers")
 #: Affidavit targets: name -> (journal, runs `--workers N`).
 AFFIDAVIT_TARGETS = {
     "affidavit-pg": ("pg", False),
@@ -422,6 +423,8 @@ def start_targets(bench: Bench, tmp: Path, cleanup: Cleanup, mitmdump: str | Non
                 if not mitmdump:
                     raise StartError("no mitmdump binary found (use --mitmdump)")
                 target = services.start_bare(tmp, bench.pki, mitmdump)
+            elif name == "lean":
+                target = services.start_lean(tmp, bench.pki)
             else:
                 if not affidavit:
                     raise StartError("no affidavit binary found (use --affidavit)")

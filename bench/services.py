@@ -439,6 +439,19 @@ def start_bare(tmp: Path, pki: Pki, mitmdump: str) -> Target:
     return Target("bare", port, ca, child, info={"argv": " ".join(argv)})
 
 
+def start_lean(tmp: Path, pki: Pki) -> Target:
+    """The broker's own lean master with no broker addon (``bench/lean_master.py``), under
+    ``python -O`` like the broker: what mitmproxy costs the broker before its own work."""
+    confdir = tmp / "lean-conf"
+    confdir.mkdir()
+    port = free_port()
+    argv = [sys.executable, "-O", str(Path(__file__).with_name("lean_master.py")), str(port), str(confdir), str(pki.ca)]
+    child = spawn("lean", argv, tmp / "lean.log")
+    ca = confdir / "mitmproxy-ca-cert.pem"
+    wait_until(lambda: port_open(port) and ca.is_file(), child, 60, "listening port")
+    return Target("lean", port, ca, child, info={"argv": " ".join(argv)})
+
+
 AGENT = "bench"
 #: One agent token per harness run, shared by every target: bare mitmdump receives the very
 #: same Proxy-Authorization bytes (it ignores them), so all proxies parse identical requests.

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
-from typing import Callable
+from typing import Any, Callable
 
 import uvicorn
 from mitmproxy import options
@@ -167,24 +167,10 @@ async def serve(
     listen_host, listen_port = parse_listen(settings.proxy.listen)
     settings.proxy.confdir.mkdir(parents=True, exist_ok=True)
     opts = options.Options(listen_host=listen_host, listen_port=listen_port, confdir=str(settings.proxy.confdir))
-    master = Master(opts)
-    _drop_legacy_log_bridge()
     ready = asyncio.Event()
-    # A lean master: only the addons the broker needs (mitmdump walks ~30 on every hook).
-    master.addons.add(
-        core.Core(),
-        proxyserver.Proxyserver(),
-        next_layer.NextLayer(),
-        tlsconfig.TlsConfig(),
-        BrokerAddon(broker, AgentAuth(tokens), on_running=ready.set),
-    )
     largest = max([int(r.max_body) for r in settings.routes if r.max_body is not None] + [int(settings.proxy.max_body)])
-    opts.update(
-        connection_strategy="lazy",
-        upstream_cert=False,
-        body_size_limit=str(largest + 1024 * 1024),
-        websocket=False,
-        rawtcp=False,
+    master = lean_master(
+        opts, BrokerAddon(broker, AgentAuth(tokens), on_running=ready.set), body_size_limit=str(largest + 1024 * 1024)
     )
 
     api_host, api_port = parse_listen(settings.api.listen)
@@ -232,7 +218,7 @@ async def serve(
         # The proxy port is ours now, so earlier incarnations of this instance are dead: their
         # in-flight records can be closed at once.
         await recovery.start()
-        _tune_gc()
+        tune_gc()
         announce(banner(settings) if worker is None else worker_ready_line(worker))
         done, _ = await asyncio.wait({master_task, api_task}, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
@@ -302,6 +288,19 @@ async def _stop_when_orphaned(master: Master) -> None:
             return
 
 
+def lean_master(opts: options.Options, *addons: Any, **settings: Any) -> Master:
+    """A master with only the addons the broker needs, then ``addons`` (``mitmdump`` walks ~30
+    built-in addons on every hook of every flow), configured with the broker's options and
+    ``settings`` in one update (each update re-configures the proxy server, and a second one
+    raced the first's listening socket under ``--workers``). The benchmark's ``lean`` target
+    runs this master with no broker addon: the floor the broker's own work stands on."""
+    master = Master(opts)
+    _drop_legacy_log_bridge()
+    master.addons.add(core.Core(), proxyserver.Proxyserver(), next_layer.NextLayer(), tlsconfig.TlsConfig(), *addons)
+    opts.update(connection_strategy="lazy", upstream_cert=False, websocket=False, rawtcp=False, **settings)
+    return master
+
+
 def _drop_legacy_log_bridge() -> None:
     """mitmproxy's Master puts a handler on the root logger that formats every log record a
     second time and sends it to every addon as the deprecated ``add_log`` hook. No addon of the
@@ -315,7 +314,7 @@ def _drop_legacy_log_bridge() -> None:
             root.removeHandler(handler)
 
 
-def _tune_gc() -> None:
+def tune_gc() -> None:
     """Fewer, cheaper cycle collections on the hot path (see docs/performance.md).
 
     Almost everything a request allocates is freed by reference counting; the cyclic collector
