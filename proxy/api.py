@@ -135,12 +135,14 @@ def create_app(
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["health"], summary="Readiness: the journal answers")
+    @app.get("/readyz", tags=["health"], summary="Readiness: the journal answers and can write")
     async def readyz() -> Response:
         try:
             await asyncio.wait_for(queries.ping(engine), 3.0)
         except Exception:
             return JSONResponse({"status": "unavailable", "journal": "unreachable"}, status_code=503)
+        if journal.write_problem is not None:  # reads work, but every write would be refused
+            return JSONResponse({"status": "unavailable", "journal": "unwritable"}, status_code=503)
         last_write = "ok" if journal.healthy else "failed"
         return JSONResponse({"status": "ready", "journal": "ok", "last_write": last_write})
 

@@ -4,6 +4,7 @@ process itself (hung, killed, orphaned) cost at most the batch it held, and it i
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sqlite3
 import signal
@@ -15,6 +16,7 @@ import time
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
+import httpx
 import pytest
 from sqlalchemy import select
 
@@ -25,6 +27,7 @@ from proxy.store.schema import events, invocations
 from proxy.store.sqlite_writer import SqliteWriter
 from proxy.store.statements import SqliteStatements
 from tests.support.broker import AFFIDAVIT
+from tests.support.envelopes import check_envelope
 from tests.test_journal_statements import _stored, invocation_row
 
 NOW = datetime(2026, 11, 30, 12, 0, 0, 123456, tzinfo=UTC)
@@ -284,3 +287,111 @@ def test_a_broker_whose_writer_process_cannot_start_refuses_to_start(make_broker
     assert "proxy listening on" not in done.stdout
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", broker.proxy_port)) != 0, "nothing is left listening"
+
+
+CRASH_TEXT = "CrashCanary: the writer process cannot import its schema"
+
+
+def _crashing_writer_hook(directory: Path) -> tuple[Path, Path]:
+    """A ``sitecustomize`` on PYTHONPATH (which the writer process inherits) that, while the flag
+    file exists, makes every new writer process print a two-line error and exit at start-up, as a
+    broken install would; it counts the starts it saw. Returns (flag, starts)."""
+    flag, starts = directory / "crash", directory / "starts"
+    directory.mkdir()
+    (directory / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import os, sys
+        if "proxy.store.sqlite_writer" in getattr(sys, "orig_argv", ()):
+            with open({str(starts)!r}, "a") as fh:
+                fh.write("start\\n")
+            if os.path.exists({str(flag)!r}):
+                sys.stderr.write("Traceback (most recent call last):\\n{CRASH_TEXT}\\n")
+                sys.exit(3)
+    """))
+    return flag, starts
+
+
+def _starts(starts: Path) -> int:
+    return len(starts.read_text().splitlines()) if starts.exists() else 0
+
+
+def test_a_writer_process_that_cannot_start_again_is_retried_with_growing_waits_and_logged(tmp_path, monkeypatch, caplog, capfd):
+    """The writer dies and every new one crashes at start: batches fail closed at once instead of
+    each paying for a start, the journal says it cannot write, the crash's output is in the log as
+    records (not raw text on the broker's stderr), and once a start works again the journal writes."""
+    flag, starts = _crashing_writer_hook(tmp_path / "hook")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "hook"))
+    url = _migrated(tmp_path / "restart.db")
+    caplog.set_level("INFO", logger="affidavit.journal")
+
+    async def scenario() -> None:
+        journal = Journal(make_engine(url), writer="w1")
+        await journal.start()
+        before, after = new_invocation_id(), new_invocation_id()
+        await journal.commit(_write(before))
+        assert journal.write_problem is None
+        flag.touch()
+        dead = journal._sqlite_writer.pid
+        os.kill(dead, signal.SIGKILL)
+        await _until(lambda: _gone(dead))
+        with pytest.raises(JournalUnavailable, match="did not start"):
+            await journal.commit(_write(new_invocation_id()))  # a new writer is started, and crashes
+        assert _starts(starts) == 2
+        assert journal.write_problem is not None
+        started = time.monotonic()
+        for _ in range(5):
+            with pytest.raises(JournalUnavailable, match="the next try is in"):
+                await journal.commit(_write(new_invocation_id()))
+        assert time.monotonic() - started < 1.0 and _starts(starts) == 2, "no start per batch while waiting"
+        await _until(lambda: _starts(starts) >= 3, seconds=10)  # the retry in the background, after ~1 s
+        await _until(lambda: journal._sqlite_writer._failed_starts >= 2)
+        assert journal._sqlite_writer._retry_at - time.monotonic() > 1.0, "the wait doubled (2 s)"
+        flag.unlink()
+        await _until(lambda: journal.write_problem is None, seconds=20)
+        await journal.commit(_write(after))
+        assert await _stored_ids(journal) == sorted([before, after]), "the refused batches wrote nothing"
+        await journal.close()
+        await journal.engine.dispose()
+
+    asyncio.run(scenario())
+    relayed = [r.getMessage() for r in caplog.records if "SQLite writer process (pid" in r.getMessage()]
+    assert any(m.endswith(CRASH_TEXT) for m in relayed), relayed
+    assert any(m.endswith("Traceback (most recent call last):") for m in relayed), "a record per line"
+    assert CRASH_TEXT not in capfd.readouterr().err, "the child's output is relayed, not inherited"
+
+
+def _writer_of(broker_pid: int) -> int:
+    for child in Path(f"/proc/{broker_pid}/task/{broker_pid}/children").read_text().split():
+        if b"proxy.store.sqlite_writer" in Path(f"/proc/{child}/cmdline").read_bytes():
+            return int(child)
+    raise AssertionError("the broker has no SQLite writer process")
+
+
+def test_a_broker_whose_writer_process_cannot_restart_is_not_ready_forwards_nothing_and_recovers(make_broker, upstream, tmp_path):
+    hook = tmp_path / "hook"
+    flag, _ = _crashing_writer_hook(hook)
+    broker = make_broker(env={"PYTHONPATH": str(hook)})
+    with broker.client() as client:
+        assert client.get("http://plain.example.test/h/ok").status_code == 200
+        flag.touch()
+        writer = _writer_of(broker.proc.pid)
+        os.kill(writer, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while not _gone(writer):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        refused = client.get("http://plain.example.test/h/ok")  # the batch finds it gone; its successor crashes
+        body = check_envelope(refused.content)
+        assert refused.status_code == 503
+        assert (body["error"]["code"], body["error"]["outcome"]) == ("JOURNAL_UNAVAILABLE", "not_attempted")
+        ready = httpx.get(broker.api_url + "/readyz", timeout=10)
+        assert (ready.status_code, ready.json()) == (503, {"status": "unavailable", "journal": "unwritable"})
+        flag.unlink()
+        deadline = time.monotonic() + 40
+        while httpx.get(broker.api_url + "/readyz", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "the writer process was not started again"
+            time.sleep(0.2)
+        assert client.get("http://plain.example.test/h/ok").status_code == 200
+    assert upstream.effects == 2, "nothing was forwarded while the journal could not write"
+    lines = broker.logs().splitlines()
+    crash = [line for line in lines if CRASH_TEXT in line]
+    assert crash and all(line.startswith("{") and json.loads(line)["msg"].endswith(CRASH_TEXT) for line in crash), crash

@@ -277,6 +277,12 @@ class Journal:
         if self._sqlite_thread is not None:
             await asyncio.get_running_loop().run_in_executor(self._sqlite_thread, self._close_sqlite)
 
+    @property
+    def write_problem(self) -> str | None:
+        """Why the journal cannot write at all right now, when it knows (SQLite: its writer
+        process could not start and waits to try again); None otherwise."""
+        return self._sqlite_writer.problem if self._sqlite_writer is not None else None
+
     def _close_sqlite(self) -> None:
         statements, self._sqlite = self._sqlite, None
         if statements is not None:

@@ -35,6 +35,7 @@ import signal
 import sqlite3
 import struct
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -53,6 +54,9 @@ log = logging.getLogger("affidavit.journal")
 _FRAME = struct.Struct(">I")
 #: How long a new child may take to import and say it is ready (a loaded machine: ~1.5 s).
 _START_TIMEOUT = 30.0
+#: After a start that failed, the next one waits this long, doubling per failure up to the second
+#: figure; batches meanwhile fail at once instead of each paying for a start that fails.
+_RETRY_AFTER = (1.0, 30.0)
 _PR_SET_PDEATHSIG = 1
 #: What the child inherits from the broker's environment: enough to start Python, no secrets.
 _ENVIRONMENT = ("PATH", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ")
@@ -69,6 +73,13 @@ class SqliteWriter:
         self.path = path
         self.timeout = timeout
         self._proc: asyncio.subprocess.Process | None = None
+        self._starting = asyncio.Lock()
+        #: Why no writer process can run now (a start failed; the next is scheduled), else None.
+        self.problem: str | None = None
+        self._failed_starts = 0
+        self._retry_at = 0.0
+        self._retry: asyncio.Task[None] | None = None
+        self._relays: set[asyncio.Task[None]] = set()
 
     @property
     def pid(self) -> int | None:
@@ -76,9 +87,47 @@ class SqliteWriter:
 
     async def start(self) -> None:
         """Start the child now and wait until it says it is ready (it imports the schema, ~0.4 s;
-        better at start-up than on the first request). Raises :class:`WriterGone` if it cannot."""
-        if self._proc is not None and self._proc.returncode is None:
-            return
+        better at start-up than on the first request). Raises :class:`WriterGone` if it cannot.
+
+        A failed start is tried again in the background after a wait that doubles per failure
+        (1 s up to 30 s); until then this raises at once, saying why and when."""
+        async with self._starting:
+            if self._proc is not None and self._proc.returncode is None:
+                return
+            wait = self._retry_at - time.monotonic()
+            if self.problem is not None and wait > 0:
+                raise WriterGone(f"{self.problem}; the next try is in {wait:.1f} s")
+            try:
+                await self._spawn()
+            except BaseException as exc:
+                self._failed(exc)
+                raise
+            self.problem, self._failed_starts = None, 0
+
+    def _failed(self, exc: BaseException) -> None:
+        self._failed_starts += 1
+        delay = min(_RETRY_AFTER[0] * 2 ** (self._failed_starts - 1), _RETRY_AFTER[1])
+        self._retry_at = time.monotonic() + delay
+        if isinstance(exc, WriterGone):
+            self.problem = str(exc)
+        elif isinstance(exc, asyncio.CancelledError):
+            self.problem = "the SQLite writer process did not start within the journal's timeout"
+        else:
+            self.problem = f"the SQLite writer process could not start: {str(exc) or type(exc).__name__}"
+        log.error("journal: %s; trying again in %.0f s", self.problem, delay)
+        if self._retry is None or self._retry.done():
+            self._retry = asyncio.get_running_loop().create_task(self._start_later(), name="sqlite writer restart")
+
+    async def _start_later(self) -> None:
+        while self.problem is not None:
+            await asyncio.sleep(max(0.0, self._retry_at - time.monotonic()))
+            try:
+                await self.start()
+            except Exception:  # logged by _failed, which set the next try
+                continue
+            log.info("journal: the SQLite writer process started again (pid %s)", self.pid)
+
+    async def _spawn(self) -> None:
         failpoint_now("sqlite_writer_start")
         proc = self._proc = await asyncio.create_subprocess_exec(
             # -P: never import from the working directory (it may be writable by others).
@@ -86,10 +135,14 @@ class SqliteWriter:
             os.path.abspath(self.path), str(self.timeout / 2), str(os.getpid()),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
             env={name: os.environ[name] for name in _ENVIRONMENT if name in os.environ},
             process_group=0,  # signals to the broker's process group do not reach it
         )
-        with self._killed_on_failure(proc, "did not start; its error, if any, is in the log just before this line"):
+        relay = asyncio.get_running_loop().create_task(_relay_output(proc), name=f"sqlite writer {proc.pid} output")
+        self._relays.add(relay)
+        relay.add_done_callback(self._relays.discard)
+        with self._killed_on_failure(proc, f"did not start (what it printed is logged as 'SQLite writer process (pid {proc.pid}): ...')"):
             async with asyncio.timeout(_START_TIMEOUT):
                 await self._answer(proc)
 
@@ -152,17 +205,36 @@ class SqliteWriter:
 
     async def close(self) -> None:
         """End of input: the child finishes the batch it has (none, after the last flush) and exits."""
+        if self._retry is not None:
+            self._retry.cancel()
         proc, self._proc = self._proc, None
-        if proc is None or proc.returncode is not None:
-            return
-        assert proc.stdin is not None
-        proc.stdin.close()
+        if proc is not None and proc.returncode is None:
+            assert proc.stdin is not None
+            proc.stdin.close()
+            try:
+                await asyncio.wait_for(proc.wait(), self.timeout)
+            except asyncio.TimeoutError:
+                log.warning("the SQLite writer process (pid %s) did not exit; killing it", proc.pid)
+                proc.kill()
+                await proc.wait()
+        if self._relays:  # the last words of the children, up to the end of their output
+            await asyncio.wait(self._relays, timeout=1.0)
+
+
+async def _relay_output(proc: asyncio.subprocess.Process) -> None:
+    """What the child prints (a crash's traceback, a warning) goes into the broker's log as log
+    records, a line each, never as raw text between the broker's JSON lines."""
+    assert proc.stderr is not None
+    while True:
         try:
-            await asyncio.wait_for(proc.wait(), self.timeout)
-        except asyncio.TimeoutError:
-            log.warning("the SQLite writer process (pid %s) did not exit; killing it", proc.pid)
-            proc.kill()
-            await proc.wait()
+            line = await proc.stderr.readline()
+        except ValueError:  # a line longer than the stream's limit; asyncio dropped it
+            line = b"(a line too long to relay)"
+        if not line:
+            return
+        text = line.decode(errors="replace").rstrip()
+        if text:
+            log.warning("SQLite writer process (pid %s): %s", proc.pid, text)
 
 
 # -- the child ---------------------------------------------------------------------------------
