@@ -395,3 +395,26 @@ def test_a_broker_whose_writer_process_cannot_restart_is_not_ready_forwards_noth
     lines = broker.logs().splitlines()
     crash = [line for line in lines if CRASH_TEXT in line]
     assert crash and all(line.startswith("{") and json.loads(line)["msg"].endswith(CRASH_TEXT) for line in crash), crash
+
+
+def test_a_stop_signal_meant_for_the_broker_does_not_end_its_writer_process(tmp_path):
+    """Ctrl-C in a terminal signals the whole foreground process group, and a supervisor may
+    signal a group too: the writer must still be there to commit the broker's last batch."""
+    url = _migrated(tmp_path / "signals.db")
+
+    async def scenario() -> None:
+        journal = Journal(make_engine(url), writer="w1")
+        await journal.start()
+        writer = journal._sqlite_writer.pid
+        assert os.getpgid(writer) != os.getpgid(0), "a group of its own"
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            os.kill(writer, sig)  # even sent to it directly
+        last = new_invocation_id()
+        await asyncio.sleep(0.3)
+        await journal.commit(_write(last))
+        assert journal._sqlite_writer.pid == writer, "the same process committed after both signals"
+        assert await _stored_ids(journal) == [last]
+        await journal.close()
+        await journal.engine.dispose()
+
+    asyncio.run(scenario())
