@@ -242,14 +242,15 @@ def test_an_approval_is_stale_if_the_credential_rotates_before_dispatch(make_bro
     secret_file = tmp_path / "payments.key"
     secret_file.write_text("first-secret-value")
     broker = make_broker("sqlite", routes=control_routes(upstream), start=False,
-                         env={"AFFIDAVIT_FAILPOINTS": "after_approval=pause:1.5@1"})
+                         env={"AFFIDAVIT_FAILPOINTS": "after_approval=pause:8@1"})
     broker.config["secrets"][0]["from"] = f"file:{secret_file}"
     broker.config_path.write_text(__import__("tomli_w").dumps(broker.config))
     broker.start()
     held = Held(broker, b'{"deploy":"v45"}')
     card = wait_for_card(broker)
     cli(broker, "approvals", "approve", card["invocation_id"])
-    time.sleep(0.5)  # the broker pauses between the approval and the credential
+    # The broker pauses 8 s between the approval and reading the credential: wide enough for a
+    # loaded machine (1.5 s was not: the CLI's own exit took longer, and the old secret was read).
     secret_file.write_text("rotated-secret-value")
     response = held.response()
     envelope = check_envelope(response.content)

@@ -24,6 +24,7 @@ from proxy.invocation_log import new_invocation_id
 from proxy.store import migrate
 from proxy.store.journal import GENESIS, EventRow, Fence, Journal, JournalUnavailable, Write, make_engine, projection_row
 from proxy.store.schema import events, invocations
+from proxy.store import sqlite_writer
 from proxy.store.sqlite_writer import SqliteWriter
 from proxy.store.statements import SqliteStatements
 from tests.support.broker import AFFIDAVIT
@@ -294,18 +295,22 @@ CRASH_TEXT = "CrashCanary: the writer process cannot import its schema"
 
 def _crashing_writer_hook(directory: Path) -> tuple[Path, Path]:
     """A ``sitecustomize`` on PYTHONPATH (which the writer process inherits) that, while the flag
-    file exists, makes every new writer process print a two-line error and exit at start-up, as a
-    broken install would; it counts the starts it saw. Returns (flag, starts)."""
+    file exists, makes every new writer process print a two-line error and exit with status 3 at
+    start-up, as a broken install would, and while ``<flag>.hang`` exists makes it hang there; it
+    counts the starts it saw. Returns (flag, starts)."""
     flag, starts = directory / "crash", directory / "starts"
     directory.mkdir()
     (directory / "sitecustomize.py").write_text(textwrap.dedent(f"""
-        import os, sys
+        import os, sys, time
         if "proxy.store.sqlite_writer" in getattr(sys, "orig_argv", ()):
             with open({str(starts)!r}, "a") as fh:
                 fh.write("start\\n")
             if os.path.exists({str(flag)!r}):
                 sys.stderr.write("Traceback (most recent call last):\\n{CRASH_TEXT}\\n")
-                sys.exit(3)
+                sys.stderr.flush()
+                os._exit(3)
+            while os.path.exists({str(flag) + ".hang"!r}):
+                time.sleep(0.05)
     """))
     return flag, starts
 
@@ -320,6 +325,7 @@ def test_a_writer_process_that_cannot_start_again_is_retried_with_growing_waits_
     records (not raw text on the broker's stderr), and once a start works again the journal writes."""
     flag, starts = _crashing_writer_hook(tmp_path / "hook")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "hook"))
+    monkeypatch.setattr(sqlite_writer, "_RETRY_AFTER", (3.0, 30.0))  # slow enough for a loaded machine
     url = _migrated(tmp_path / "restart.db")
     caplog.set_level("INFO", logger="affidavit.journal")
 
@@ -333,7 +339,7 @@ def test_a_writer_process_that_cannot_start_again_is_retried_with_growing_waits_
         dead = journal._sqlite_writer.pid
         os.kill(dead, signal.SIGKILL)
         await _until(lambda: _gone(dead))
-        with pytest.raises(JournalUnavailable, match="did not start"):
+        with pytest.raises(JournalUnavailable, match=r"exit status 3\) did not start"):
             await journal.commit(_write(new_invocation_id()))  # a new writer is started, and crashes
         assert _starts(starts) == 2
         assert journal.write_problem is not None
@@ -341,12 +347,12 @@ def test_a_writer_process_that_cannot_start_again_is_retried_with_growing_waits_
         for _ in range(5):
             with pytest.raises(JournalUnavailable, match="the next try is in"):
                 await journal.commit(_write(new_invocation_id()))
-        assert time.monotonic() - started < 1.0 and _starts(starts) == 2, "no start per batch while waiting"
-        await _until(lambda: _starts(starts) >= 3, seconds=10)  # the retry in the background, after ~1 s
+        assert time.monotonic() - started < 2.5 and _starts(starts) == 2, "no start per batch while waiting"
+        await _until(lambda: _starts(starts) >= 3, seconds=15)  # the retry in the background, after 3 s
         await _until(lambda: journal._sqlite_writer._failed_starts >= 2)
-        assert journal._sqlite_writer._retry_at - time.monotonic() > 1.0, "the wait doubled (2 s)"
+        assert journal._sqlite_writer._retry_at - time.monotonic() > 3.0, "the wait doubled (6 s)"
         flag.unlink()
-        await _until(lambda: journal.write_problem is None, seconds=20)
+        await _until(lambda: journal.write_problem is None, seconds=30)
         await journal.commit(_write(after))
         assert await _stored_ids(journal) == sorted([before, after]), "the refused batches wrote nothing"
         await journal.close()
@@ -357,6 +363,45 @@ def test_a_writer_process_that_cannot_start_again_is_retried_with_growing_waits_
     assert any(m.endswith(CRASH_TEXT) for m in relayed), relayed
     assert any(m.endswith("Traceback (most recent call last):") for m in relayed), "a record per line"
     assert CRASH_TEXT not in capfd.readouterr().err, "the child's output is relayed, not inherited"
+    assert not [r for r in caplog.records if "Unknown child process" in r.getMessage()], "asyncio reaped each child"
+
+
+def test_batches_during_a_restart_fail_at_once_and_closing_ends_the_restart(tmp_path, monkeypatch, caplog):
+    """While a retry's new child is starting (here: hangs at start-up), a batch is refused at
+    once instead of waiting its whole timeout, and closing the journal ends that start: the
+    half-started child is killed, nothing is reported as a failure, nothing is left running."""
+    flag, starts = _crashing_writer_hook(tmp_path / "hook")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "hook"))
+    monkeypatch.setattr(sqlite_writer, "_RETRY_AFTER", (0.2, 30.0))
+    url = _migrated(tmp_path / "closing.db")
+    caplog.set_level("INFO", logger="affidavit.journal")
+
+    async def scenario() -> None:
+        journal = Journal(make_engine(url), writer="w1")
+        await journal.start()
+        flag.touch()
+        dead = journal._sqlite_writer.pid
+        os.kill(dead, signal.SIGKILL)
+        await _until(lambda: _gone(dead))
+        Path(str(flag) + ".hang").touch()
+        with pytest.raises(JournalUnavailable):
+            await journal.commit(_write(new_invocation_id()))  # the replacement crashes
+        flag.unlink()  # from now on a new child hangs at start-up
+        await _until(lambda: _starts(starts) >= 3, seconds=15)  # the retry's child is hanging
+        hanging = journal._sqlite_writer._proc.pid
+        started = time.monotonic()
+        with pytest.raises(JournalUnavailable, match="a new writer process is starting"):
+            await journal.commit(_write(new_invocation_id()))
+        assert time.monotonic() - started < 1.0, "refused at once, not after the journal's timeout"
+        caplog.clear()
+        started = time.monotonic()
+        await journal.close()
+        assert time.monotonic() - started < 3.0
+        await _until(lambda: _gone(hanging))
+        assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")], caplog.text
+        await journal.engine.dispose()
+
+    asyncio.run(scenario())
 
 
 def _writer_of(broker_pid: int) -> int:

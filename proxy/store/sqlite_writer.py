@@ -36,8 +36,8 @@ import sqlite3
 import struct
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
 from datetime import datetime
 from typing import Any, BinaryIO
 
@@ -80,6 +80,7 @@ class SqliteWriter:
         self._retry_at = 0.0
         self._retry: asyncio.Task[None] | None = None
         self._relays: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     @property
     def pid(self) -> int | None:
@@ -90,7 +91,11 @@ class SqliteWriter:
         better at start-up than on the first request). Raises :class:`WriterGone` if it cannot.
 
         A failed start is tried again in the background after a wait that doubles per failure
-        (1 s up to 30 s); until then this raises at once, saying why and when."""
+        (1 s up to 30 s); until then, and while that try runs, this raises at once, saying why."""
+        if self._closed:
+            raise WriterGone("the journal is closing")
+        if self.problem is not None and self._starting.locked():
+            raise WriterGone(f"{self.problem}; a new writer process is starting")
         async with self._starting:
             if self._proc is not None and self._proc.returncode is None:
                 return
@@ -105,6 +110,8 @@ class SqliteWriter:
             self.problem, self._failed_starts = None, 0
 
     def _failed(self, exc: BaseException) -> None:
+        if self._closed:  # a start cut short by close(): nothing to report or to try again
+            return
         self._failed_starts += 1
         delay = min(_RETRY_AFTER[0] * 2 ** (self._failed_starts - 1), _RETRY_AFTER[1])
         self._retry_at = time.monotonic() + delay
@@ -125,7 +132,8 @@ class SqliteWriter:
                 await self.start()
             except Exception:  # logged by _failed, which set the next try
                 continue
-            log.info("journal: the SQLite writer process started again (pid %s)", self.pid)
+            if self.pid is not None:
+                log.info("journal: the SQLite writer process started again (pid %s)", self.pid)
 
     async def _spawn(self) -> None:
         failpoint_now("sqlite_writer_start")
@@ -142,7 +150,7 @@ class SqliteWriter:
         relay = asyncio.get_running_loop().create_task(_relay_output(proc), name=f"sqlite writer {proc.pid} output")
         self._relays.add(relay)
         relay.add_done_callback(self._relays.discard)
-        with self._killed_on_failure(proc, f"did not start (what it printed is logged as 'SQLite writer process (pid {proc.pid}): ...')"):
+        async with self._killed_on_failure(proc, f"did not start (what it printed is logged as 'SQLite writer process (pid {proc.pid}): ...')"):
             async with asyncio.timeout(_START_TIMEOUT):
                 await self._answer(proc)
 
@@ -162,7 +170,7 @@ class SqliteWriter:
             proc = self._proc
             assert proc is not None and proc.stdin is not None
             try:
-                with self._killed_on_failure(proc, "ended before it took the batch"):
+                async with self._killed_on_failure(proc, "ended before it took the batch"):
                     proc.stdin.write(frame)
                     await proc.stdin.drain()
                     if proc.stdin.is_closing():  # the write failed (EPIPE); drain says so only next time
@@ -172,23 +180,32 @@ class SqliteWriter:
                     raise
                 continue
             break
-        with self._killed_on_failure(proc, "ended without answering; a new one starts with the next batch"):
+        async with self._killed_on_failure(proc, "ended without answering; a new one starts with the next batch"):
             answer = await self._answer(proc)
         if "error" in answer:
             error = sqlite3.IntegrityError if answer["error"] == "integrity" else sqlite3.OperationalError
             raise error(answer["message"])
         return list(answer["refused"])
 
-    @contextmanager
-    def _killed_on_failure(self, proc: asyncio.subprocess.Process, gone: str) -> Iterator[None]:
+    @asynccontextmanager
+    async def _killed_on_failure(self, proc: asyncio.subprocess.Process, gone: str) -> AsyncIterator[None]:
         """Any failure, a cancelled wait included, kills the child (its frames are out of step);
-        one that says the child is gone becomes :class:`WriterGone`, saying ``gone``."""
+        one that says the child is gone becomes :class:`WriterGone`, saying ``gone`` and, when
+        the child has exited, its exit status."""
         try:
             yield
         except BaseException as exc:
-            self.kill()
+            try:
+                if isinstance(exc, (asyncio.IncompleteReadError, ConnectionError)):
+                    # Its pipes closed: it is exiting. Let asyncio reap it and learn how; a kill
+                    # now would reap it behind asyncio's back and lose the status.
+                    with suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(proc.wait(), 1.0)
+            finally:
+                self.kill(proc)
             if isinstance(exc, (asyncio.IncompleteReadError, ConnectionError, TimeoutError)):
-                raise WriterGone(f"the SQLite writer process (pid {proc.pid}) {gone}") from None
+                status = f", exit status {proc.returncode}" if proc.returncode is not None else ""
+                raise WriterGone(f"the SQLite writer process (pid {proc.pid}{status}) {gone}") from None
             raise
 
     @staticmethod
@@ -198,15 +215,21 @@ class SqliteWriter:
         answer: dict[str, Any] = orjson.loads(await proc.stdout.readexactly(size))
         return answer
 
-    def kill(self) -> None:
-        proc, self._proc = self._proc, None
+    def kill(self, proc: asyncio.subprocess.Process | None = None) -> None:
+        """Kill ``proc`` (default: the current child) and forget it if it is the current one."""
+        proc = proc if proc is not None else self._proc
+        if proc is self._proc:
+            self._proc = None
         if proc is not None and proc.returncode is None:
             proc.kill()
 
     async def close(self) -> None:
         """End of input: the child finishes the batch it has (none, after the last flush) and exits."""
-        if self._retry is not None:
+        self._closed = True
+        if self._retry is not None:  # a child it is starting is killed, unannounced
             self._retry.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._retry
         proc, self._proc = self._proc, None
         if proc is not None and proc.returncode is None:
             assert proc.stdin is not None
@@ -218,7 +241,9 @@ class SqliteWriter:
                 proc.kill()
                 await proc.wait()
         if self._relays:  # the last words of the children, up to the end of their output
-            await asyncio.wait(self._relays, timeout=1.0)
+            _, silent = await asyncio.wait(self._relays, timeout=1.0)
+            for relay in silent:
+                relay.cancel()
 
 
 async def _relay_output(proc: asyncio.subprocess.Process) -> None:
@@ -230,6 +255,8 @@ async def _relay_output(proc: asyncio.subprocess.Process) -> None:
             line = await proc.stderr.readline()
         except ValueError:  # a line longer than the stream's limit; asyncio dropped it
             line = b"(a line too long to relay)"
+        except Exception:  # the pipe broke; the child is gone either way
+            return
         if not line:
             return
         text = line.decode(errors="replace").rstrip()
