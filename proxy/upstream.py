@@ -18,6 +18,7 @@ All knowledge of aiohttp's exceptions lives here, in :func:`classify_setup_failu
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import socket
 import ssl
@@ -137,6 +138,7 @@ class _Progress:
 
     observer: ExchangeObserver
     body_length: int
+    tls: bool = False
     stage: str = "dns"
     dispatched: bool = False
     bytes_sent: int = 0
@@ -169,6 +171,42 @@ class _Resolver(AbstractResolver):
 
     async def close(self) -> None:
         await self._system.close()
+
+
+#: The exchange a new upstream connection is being opened for (aiohttp opens it in the task of
+#: the request, so the socket factory below finds it here).
+_OPENING: contextvars.ContextVar[_Progress | None] = contextvars.ContextVar("affidavit_opening", default=None)
+
+
+class _WatchedSocket(socket.socket):
+    """A socket that tells its exchange when the TCP connection is up, so that a stall after
+    that (in the TLS handshake) is recorded as such and not as a TCP connect. asyncio learns of
+    the connection from ``connect()`` returning, or from ``SO_ERROR`` reading 0 once the socket
+    turns writable; both calls come through here."""
+
+    progress: _Progress | None = None
+
+    def connect(self, address: Any) -> None:
+        super().connect(address)
+        self._up()
+
+    def getsockopt(self, *args: Any) -> Any:
+        value = super().getsockopt(*args)
+        if args[:2] == (socket.SOL_SOCKET, socket.SO_ERROR) and value == 0:
+            self._up()
+        return value
+
+    def _up(self) -> None:
+        p = self.progress
+        if p is not None and p.tls and p.stage == "tcp_connect":
+            p.stage = "tls_handshake"
+
+
+def _open_socket(addr_info: Any) -> socket.socket:
+    family, kind, proto = addr_info[:3]
+    sock = _WatchedSocket(family, kind, proto)
+    sock.progress = _OPENING.get()
+    return sock
 
 
 def _ctx(params_ctx: Any) -> _Progress | None:
@@ -261,8 +299,8 @@ def classify_setup_failure(exc: BaseException, stage: str) -> tuple[str, Code]:
     if isinstance(exc, aiohttp.ClientConnectorError):
         if isinstance(exc.os_error, ConnectionRefusedError):
             return "tcp_connect", Code.CONNECT_REFUSED
-        if isinstance(exc.os_error, ssl.SSLError):
-            return "tls_handshake", Code.TLS_HANDSHAKE_FAILED
+        if isinstance(exc.os_error, ssl.SSLError) or stage == "tls_handshake":
+            return "tls_handshake", Code.TLS_HANDSHAKE_FAILED  # a reset mid-handshake, say
         if stage == "dns":
             return "dns", Code.DNS_FAILED
         return "tcp_connect", Code.CONNECT_FAILED
@@ -310,6 +348,7 @@ class Upstream:
             resolver=self._resolver,
             enable_cleanup_closed=False,
             keepalive_timeout=30,
+            socket_factory=_open_socket,
         )
         self._session = aiohttp.ClientSession(
             connector=self._connector,
@@ -329,8 +368,10 @@ class Upstream:
     async def exchange(self, request: UpstreamRequest, observer: ExchangeObserver, attempt: int = 1) -> UpstreamResponse:
         """Send ``request`` once. Raises :class:`SetupFailed`, :class:`DispatchRefused` or
         :class:`ExchangeFailed`; returns only a complete response."""
-        progress = _Progress(observer=observer, body_length=len(request.body), attempt=attempt)
+        progress = _Progress(observer=observer, body_length=len(request.body), attempt=attempt,
+                             tls=request.url.startswith("https:"))
         headers = [(k, v) for k, v in request.headers if k.lower() not in HOP_BY_HOP]
+        opening = _OPENING.set(progress)
         try:
             response = await self._session.request(
                 request.method,
@@ -363,6 +404,8 @@ class Upstream:
                 request_complete=progress.request_complete,
                 headers_received=False,
             ) from None
+        finally:
+            _OPENING.reset(opening)
 
         progress.headers_received = True
         if not progress.request_complete:
