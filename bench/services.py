@@ -416,40 +416,34 @@ class Target:
     pids: list[int] | None = None  # its process tree as the first measured window found it
 
 
-def start_bare(tmp: Path, pki: Pki, mitmdump: str) -> Target:
-    """Plain ``mitmdump``: its default addons, no scripts, upstream CA trusted (no --ssl-insecure)."""
-    confdir = tmp / "bare-conf"
+def _start_mitmproxy(name: str, tmp: Path, argv_for: Callable[[int, Path], list[str]]) -> Target:
+    """A mitmproxy-based target without a side API: ``argv_for(port, confdir)`` is its command;
+    it is up once it listens and has written its CA."""
+    confdir = tmp / f"{name}-conf"
     confdir.mkdir()
     port = free_port()
-    argv = [
-        mitmdump,
-        "-q",
-        "--listen-host",
-        "127.0.0.1",
-        "--listen-port",
-        str(port),
-        "--set",
-        f"confdir={confdir}",
-        "--set",
-        f"ssl_verify_upstream_trusted_ca={pki.ca}",
-    ]
-    child = spawn("bare", argv, tmp / "bare.log")
+    argv = argv_for(port, confdir)
+    child = spawn(name, argv, tmp / f"{name}.log")
     ca = confdir / "mitmproxy-ca-cert.pem"
     wait_until(lambda: port_open(port) and ca.is_file(), child, 60, "listening port")
-    return Target("bare", port, ca, child, info={"argv": " ".join(argv)})
+    return Target(name, port, ca, child, info={"argv": " ".join(argv)})
+
+
+def start_bare(tmp: Path, pki: Pki, mitmdump: str) -> Target:
+    """Plain ``mitmdump``: its default addons, no scripts, upstream CA trusted (no --ssl-insecure)."""
+    return _start_mitmproxy("bare", tmp, lambda port, confdir: [
+        mitmdump, "-q", "--listen-host", "127.0.0.1", "--listen-port", str(port),
+        "--set", f"confdir={confdir}", "--set", f"ssl_verify_upstream_trusted_ca={pki.ca}",
+    ])
 
 
 def start_lean(tmp: Path, pki: Pki) -> Target:
     """The broker's own lean master with no broker addon (``bench/lean_master.py``), under
     ``python -O`` like the broker: what mitmproxy costs the broker before its own work."""
-    confdir = tmp / "lean-conf"
-    confdir.mkdir()
-    port = free_port()
-    argv = [sys.executable, "-O", str(Path(__file__).with_name("lean_master.py")), str(port), str(confdir), str(pki.ca)]
-    child = spawn("lean", argv, tmp / "lean.log")
-    ca = confdir / "mitmproxy-ca-cert.pem"
-    wait_until(lambda: port_open(port) and ca.is_file(), child, 60, "listening port")
-    return Target("lean", port, ca, child, info={"argv": " ".join(argv)})
+    script = str(Path(__file__).with_name("lean_master.py"))
+    return _start_mitmproxy("lean", tmp, lambda port, confdir: [
+        sys.executable, "-O", script, str(port), str(confdir), str(pki.ca),
+    ])
 
 
 AGENT = "bench"

@@ -197,7 +197,8 @@ class _WatchedSocket(socket.socket):
         return value
 
     def _up(self) -> None:
-        p = self.progress
+        # Dropped once told: a pooled connection outlives the exchange that opened it.
+        p, self.progress = self.progress, None
         if p is not None and p.tls and p.stage == "tcp_connect":
             p.stage = "tls_handshake"
 
