@@ -49,7 +49,7 @@ def cpu_seconds(pid: int, *, children: bool = True) -> float:
     return ticks / CLK_TCK
 
 
-def _ppid_map() -> dict[int, int]:
+def ppid_map() -> dict[int, int]:
     out: dict[int, int] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -83,7 +83,7 @@ class TreeCpu:
 def trees_cpu(roots: dict[str, int]) -> dict[str, TreeCpu]:
     """CPU of several process trees (name -> root pid), from one scan of ``/proc``. A child
     that exited was reaped by its parent in the tree, so its CPU is in that parent's ``cutime``."""
-    parents = _ppid_map()
+    parents = ppid_map()
     out: dict[str, TreeCpu] = {}
     for name, root in roots.items():
         pids = descendants(root, parents)

@@ -30,20 +30,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 
-def _reexec_in_project_venv() -> None:
-    """Let ``python bench/run.py`` work from any Python: switch to the project's venv if needed."""
-    venv = REPO / ".venv"
-    python = venv / "bin" / "python"
-    if os.environ.get("AFFIDAVIT_BENCH_NO_REEXEC") or not python.exists():
-        return
-    if Path(sys.prefix).resolve() == venv.resolve():
-        return
-    os.environ["AFFIDAVIT_BENCH_NO_REEXEC"] = "1"
-    os.execv(str(python), [str(python), str(Path(__file__).resolve()), *sys.argv[1:]])
-
-
 if __name__ == "__main__":
-    _reexec_in_project_venv()
+    from project_venv import reexec_in_project_venv
+
+    reexec_in_project_venv(__file__)
 
 import argparse  # noqa: E402
 import atexit  # noqa: E402

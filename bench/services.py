@@ -24,7 +24,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -416,32 +416,35 @@ class Target:
     pids: list[int] | None = None  # its process tree as the first measured window found it
 
 
-def _start_mitmproxy(name: str, tmp: Path, argv_for: Callable[[int, Path], list[str]]) -> Target:
-    """A mitmproxy-based target without a side API: ``argv_for(port, confdir)`` is its command;
-    it is up once it listens and has written its CA."""
+def _start_mitmproxy(
+    name: str, tmp: Path, argv_for: Callable[[int, Path], list[str]], wrap: Sequence[str], timeout: float
+) -> Target:
+    """A mitmproxy-based target without a side API: ``wrap + argv_for(port, confdir)`` is its
+    command; it is up once it listens and has written its CA."""
     confdir = tmp / f"{name}-conf"
     confdir.mkdir()
     port = free_port()
-    argv = argv_for(port, confdir)
+    argv = [*wrap, *argv_for(port, confdir)]
     child = spawn(name, argv, tmp / f"{name}.log")
     ca = confdir / "mitmproxy-ca-cert.pem"
-    wait_until(lambda: port_open(port) and ca.is_file(), child, 60, "listening port")
+    wait_until(lambda: port_open(port) and ca.is_file(), child, timeout, "listening port")
     return Target(name, port, ca, child, info={"argv": " ".join(argv)})
 
 
-def start_bare(tmp: Path, pki: Pki, mitmdump: str) -> Target:
-    """Plain ``mitmdump``: its default addons, no scripts, upstream CA trusted (no --ssl-insecure)."""
-    return _start_mitmproxy("bare", tmp, lambda port, confdir: [
+def start_bare(tmp: Path, pki: Pki, mitmdump: str, wrap: Sequence[str] = (), timeout: float = 60) -> Target:
+    """Plain ``mitmdump``: its default addons, no scripts, upstream CA trusted (no --ssl-insecure).
+    ``wrap`` is a command prefix (``bench/instructions.py`` runs targets under valgrind)."""
+    return _start_mitmproxy("bare", tmp, wrap=wrap, timeout=timeout, argv_for=lambda port, confdir: [
         mitmdump, "-q", "--listen-host", "127.0.0.1", "--listen-port", str(port),
         "--set", f"confdir={confdir}", "--set", f"ssl_verify_upstream_trusted_ca={pki.ca}",
     ])
 
 
-def start_lean(tmp: Path, pki: Pki) -> Target:
+def start_lean(tmp: Path, pki: Pki, wrap: Sequence[str] = (), timeout: float = 60) -> Target:
     """The broker's own lean master with no broker addon (``bench/lean_master.py``), under
     ``python -O`` like the broker: what mitmproxy costs the broker before its own work."""
     script = str(Path(__file__).with_name("lean_master.py"))
-    return _start_mitmproxy("lean", tmp, lambda port, confdir: [
+    return _start_mitmproxy("lean", tmp, wrap=wrap, timeout=timeout, argv_for=lambda port, confdir: [
         sys.executable, "-O", script, str(port), str(confdir), str(pki.ca),
     ])
 
@@ -453,11 +456,22 @@ TOKEN = secrets.token_urlsafe(18)
 
 
 def start_affidavit(
-    name: str, tmp: Path, pki: Pki, affidavit: str, upstream: Upstream, database: str, workers: int = 1
+    name: str,
+    tmp: Path,
+    pki: Pki,
+    affidavit: str,
+    upstream: Upstream,
+    database: str,
+    workers: int = 1,
+    wrap: Sequence[str] = (),
+    timeout: float = 90,
 ) -> Target:
     """``affidavit run -c <generated config>``; ``database`` is "pg" or "sqlite". With
     ``workers`` > 1, ``affidavit run --workers N``: a supervisor and N worker processes sharing
-    the ports; it is ready once it printed the banner and the workers' pids.
+    the ports; it is ready once it printed the banner and the workers' pids. With a command
+    prefix ``wrap``, the broker is started as ``wrap + [<its venv's python>, "-O", "-m",
+    "proxy", "run", ...]``: the prefix then wraps the serving process itself, not a launcher that
+    re-executes itself under ``python -O``.
 
     The PostgreSQL database is created here and dropped by :func:`stop_target`."""
     home = tmp / name
@@ -515,7 +529,8 @@ agents = ["{AGENT}"]
     env["AFFIDAVIT_BENCH_TOKEN"] = token
     env["AFFIDAVIT_BENCH_OPERATOR"] = secrets.token_urlsafe(18)
     env["PYTHONUNBUFFERED"] = "1"
-    argv = [affidavit, "run", "-c", str(config), *(["--workers", str(workers)] if workers > 1 else [])]
+    launcher = [str(Path(affidavit).with_name("python")), "-O", "-m", "proxy"] if wrap else [affidavit]
+    argv = [*wrap, *launcher, "run", "-c", str(config), *(["--workers", str(workers)] if workers > 1 else [])]
     child = spawn(name, argv, home / "broker.log", env=env, cwd=home)
     target = Target(name, port, confdir / "mitmproxy-ca-cert.pem", child, pg_database=pg_name, api_port=api_port)
     # The supervisor and its workers; each broker process on SQLite also has a journal writer
@@ -543,7 +558,7 @@ agents = ["{AGENT}"]
             return False
 
     try:
-        wait_until(ready, child, 90, f"{what} and /readyz 200")
+        wait_until(ready, child, timeout, f"{what} and /readyz 200")
     except BaseException:
         stop_target(target)
         raise
