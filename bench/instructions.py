@@ -217,15 +217,22 @@ def count_one(target: Target, path: str, args: argparse.Namespace, upstream: Ups
 
 
 def report(records: list[dict[str, Any]]) -> None:
+    """One line per cell, with its ratio to ``lean`` and ``bare`` of the same path and, for a
+    ``--baseline`` pair, the ratio of the build under test to the baseline."""
     by = {(r["target"], r["path"]): r["per_request"] for r in records}
     refs = [t for t in ("lean", "bare") if any(k[0] == t for k in by)]
+    has_base = any(k[0].endswith("@base") for k in by)
     head = f"{'target':<22} {'path':<6} {'instructions/request':>21}" + "".join(f" {'x ' + t:>8}" for t in refs)
+    head += f" {'x base':>8}" if has_base else ""
     print(head)
     print("-" * len(head))
     for r in records:
         cols = "".join(
             f" {r['per_request'] / by[(t, r['path'])]:>8.2f}" if (t, r["path"]) in by else f" {'-':>8}" for t in refs
         )
+        if has_base:
+            base = by.get((r["target"] + "@base", r["path"]))
+            cols += f" {r['per_request'] / base:>8.3f}" if base else f" {'-':>8}"
         print(f"{r['target']:<22} {r['path']:<6} {r['per_request']:>21,.0f}{cols}")
 
 

@@ -18,7 +18,7 @@ Three rules hold by construction rather than by care:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import UTC
 from email.utils import parsedate_to_datetime
 from enum import StrEnum
@@ -378,8 +378,13 @@ def _transition_key(event: Event) -> EventKind | tuple[EventKind, Phase]:
 
 def check(record: Record, event: Event) -> None:
     """Raise :class:`IllegalTransition` unless ``event`` may follow ``record``."""
+    _checked_target(record, event)
+
+
+def _checked_target(record: Record, event: Event) -> Stage | None:
+    """The stage ``event`` moves ``record`` to (None: it stays), if the move is legal."""
     key = _transition_key(event)
-    allowed, _ = TRANSITIONS[key]
+    allowed, target = TRANSITIONS[key]
     if record.stage not in allowed:
         name = key if isinstance(key, EventKind) else f"{key[0]}({key[1]})"
         raise IllegalTransition(f"{name} cannot follow stage {record.stage}")
@@ -389,13 +394,12 @@ def check(record: Record, event: Event) -> None:
             raise IllegalTransition(f"reconciliation cannot claim {outcome}")
     if event.kind is EventKind.REMOTE_RESPONSE_COMPLETE:
         classify_status(int(event.data["status"]))
+    return target
 
 
 def apply(record: Record, event: Event) -> Record:
     """Fold one event into the record, after checking that the move is legal."""
-    check(record, event)
-    key = _transition_key(event)
-    _, target = TRANSITIONS[key]
+    target = _checked_target(record, event)
     changes: dict[str, Any] = {"last_seq": event.seq if event.seq is not None else record.last_seq}
     kind = event.kind
 
@@ -484,7 +488,22 @@ def apply(record: Record, event: Event) -> Record:
         target = S.ENDED_UNKNOWN
     if target is not None:
         changes["stage"] = target
-    return replace(record, **changes)
+    return _replaced(record, changes)
+
+
+_RECORD_FIELDS = tuple(f.name for f in fields(Record))
+_new_record = object.__new__
+_set = object.__setattr__
+
+
+def _replaced(record: Record, changes: dict[str, Any]) -> Record:
+    """``dataclasses.replace(record, **changes)`` for the one frozen class folded on every event
+    of every request, at about two thirds of its cost (no per-field checks, no ``__init__``
+    call). Every field is set, so the copy is whole."""
+    new = _new_record(Record)
+    for name in _RECORD_FIELDS:
+        _set(new, name, changes[name] if name in changes else getattr(record, name))
+    return new
 
 
 def _dispose(record: Record, disposition: CallerDisposition) -> dict[str, Any]:

@@ -14,7 +14,7 @@ name so that two rows can never claim the same place in one chain.
 from __future__ import annotations
 
 import asyncio
-import base64
+import binascii
 import hashlib
 import json
 import logging
@@ -98,7 +98,7 @@ def canonical_event_bytes(row: dict[str, Any]) -> bytes:
     UTF-8 JSON array (invocation_id, seq, kind, at, writer, writer_seq, prev_hash, key_id,
     base64 of the payload). ``audit verify`` recomputes it from the stored row, without any key.
     """
-    fields = [
+    return _canonical(
         row["invocation_id"],
         int(row["seq"]),
         row["kind"],
@@ -107,13 +107,24 @@ def canonical_event_bytes(row: dict[str, Any]) -> bytes:
         int(row["writer_seq"]),
         row["prev_hash"],
         row["key_id"],
-        base64.b64encode(bytes(row["payload"])).decode("ascii"),
-    ]
+        bytes(row["payload"]),
+    )
+
+
+def _canonical(
+    invocation_id: str, seq: int, kind: str, at: str, writer: str, writer_seq: int, prev_hash: str,
+    key_id: str | None, payload: bytes,
+) -> bytes:  # fmt: skip
+    fields = [invocation_id, seq, kind, at, writer, writer_seq, prev_hash, key_id,
+              binascii.b2a_base64(payload, newline=False).decode("ascii")]  # fmt: skip
     return orjson.dumps(fields)
 
 
 def canonical_time(at: datetime | str) -> str:
     """UTC with microseconds and a ``Z``, whatever the dialect hands back (SQLite drops the zone)."""
+    if type(at) is datetime and at.tzinfo is UTC:
+        # The broker's own event times (every event of every request): no conversion needed.
+        return at.isoformat(timespec="microseconds")[:-6] + "Z"
     if isinstance(at, str):
         at = datetime.fromisoformat(at)
     if at.tzinfo is None:
@@ -505,23 +516,27 @@ class Journal:
     def _chain_rows(self, writes: list[Write], chain: list[Any]) -> list[dict[str, Any]]:
         """Event rows extending the audit chain held in ``chain`` (writer_seq, prev_hash)."""
         writer_seq, prev_hash = chain
+        writer = self.writer
         rows: list[dict[str, Any]] = []
         for w in writes:
             for e in w.events:
                 writer_seq += 1
-                row = {
+                canonical = _canonical(
+                    e.invocation_id, e.seq, e.kind, canonical_time(e.at), writer, writer_seq, prev_hash, e.key_id, e.payload
+                )
+                rows.append({
                     "invocation_id": e.invocation_id,
                     "seq": e.seq,
                     "kind": e.kind,
                     "at": e.at,
-                    "writer": self.writer,
+                    "writer": writer,
                     "writer_seq": writer_seq,
                     "prev_hash": prev_hash,
                     "key_id": e.key_id,
                     "payload": e.payload,
-                }
-                row["hash"] = prev_hash = chain_hash(row)
-                rows.append(row)
+                    "hash": hashlib.sha256(canonical).hexdigest(),
+                })  # fmt: skip
+                prev_hash = rows[-1]["hash"]
         chain[:] = [writer_seq, prev_hash]
         return rows
 
