@@ -296,8 +296,9 @@ CRASH_TEXT = "CrashCanary: the writer process cannot import its schema"
 def _crashing_writer_hook(directory: Path) -> tuple[Path, Path]:
     """A ``sitecustomize`` on PYTHONPATH (which the writer process inherits) that, while the flag
     file exists, makes every new writer process print a two-line error and exit with status 3 at
-    start-up, as a broken install would, and while ``<flag>.hang`` exists makes it hang there; it
-    counts the starts it saw. Returns (flag, starts)."""
+    start-up, as a broken install would, and while ``<flag>.hang`` exists makes it hang there;
+    while ``<flag>.batch`` exists, a writer process that started exits with status 4 when it
+    reads a batch. It counts the starts it saw. Returns (flag, starts)."""
     flag, starts = directory / "crash", directory / "starts"
     directory.mkdir()
     (directory / "sitecustomize.py").write_text(textwrap.dedent(f"""
@@ -311,6 +312,13 @@ def _crashing_writer_hook(directory: Path) -> tuple[Path, Path]:
                 os._exit(3)
             while os.path.exists({str(flag) + ".hang"!r}):
                 time.sleep(0.05)
+            import orjson
+            _loads = orjson.loads
+            def _dying_loads(data):
+                if os.path.exists({str(flag) + ".batch"!r}):
+                    os._exit(4)
+                return _loads(data)
+            orjson.loads = _dying_loads  # the writer parses each batch with orjson.loads
     """))
     return flag, starts
 
@@ -364,6 +372,57 @@ def test_a_writer_process_that_cannot_start_again_is_retried_with_growing_waits_
     assert any(m.endswith("Traceback (most recent call last):") for m in relayed), "a record per line"
     assert CRASH_TEXT not in capfd.readouterr().err, "the child's output is relayed, not inherited"
     assert not [r for r in caplog.records if "Unknown child process" in r.getMessage()], "asyncio reaped each child"
+
+
+def test_a_writer_process_that_dies_on_every_batch_is_not_replaced_per_batch_for_ever(tmp_path, monkeypatch, caplog):
+    """A writer that starts but dies on each batch it reads: one or two deaths are replaced at
+    once (an isolated crash must not stop the journal), three in a row make the journal say it
+    cannot write and wait before the next start, doubling; a batch answered again resets it."""
+    flag, starts = _crashing_writer_hook(tmp_path / "hook")
+    on_batch = Path(str(flag) + ".batch")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "hook"))
+    monkeypatch.setattr(sqlite_writer, "_RETRY_AFTER", (3.0, 30.0))  # slow enough for a loaded machine
+    url = _migrated(tmp_path / "dying.db")
+    caplog.set_level("INFO", logger="affidavit.journal")
+
+    async def scenario() -> None:
+        journal = Journal(make_engine(url), writer="w1")
+        await journal.start()
+        before, after = new_invocation_id(), new_invocation_id()
+        await journal.commit(_write(before))
+        on_batch.touch()
+        for death in (1, 2):
+            with pytest.raises(JournalUnavailable, match=r"exit status 4\) ended without answering"):
+                await journal.commit(_write(new_invocation_id()))
+            assert journal.write_problem is None, f"death {death}: replaced, not yet a problem"
+        with pytest.raises(JournalUnavailable, match=r"exit status 4\) ended without answering"):
+            await journal.commit(_write(new_invocation_id()))
+        problem = journal.write_problem
+        assert problem is not None and "3 SQLite writer processes in a row ended while writing a batch" in problem
+        assert "exit status 4" in problem
+        seen = _starts(starts)
+        started = time.monotonic()
+        for _ in range(5):
+            with pytest.raises(JournalUnavailable, match="the next try is in"):
+                await journal.commit(_write(new_invocation_id()))
+        assert time.monotonic() - started < 2.5 and _starts(starts) == seen, "no start per batch while waiting"
+        await _until(lambda: journal.write_problem is None, seconds=15)  # a new child after ~3 s
+        with pytest.raises(JournalUnavailable, match="ended without answering"):
+            await journal.commit(_write(new_invocation_id()))  # it dies too: the fourth in a row
+        assert journal.write_problem is not None
+        assert journal._sqlite_writer._retry_at - time.monotonic() > 3.0, "the wait doubled (6 s)"
+        on_batch.unlink()
+        await _until(lambda: journal.write_problem is None, seconds=30)
+        await journal.commit(_write(after))
+        assert journal._sqlite_writer._batch_deaths == 0, "an answered batch ends the run of deaths"
+        assert await _stored_ids(journal) == sorted([before, after]), "the failed batches wrote nothing"
+        await journal.close()
+        await journal.engine.dispose()
+
+    asyncio.run(scenario())
+    backed_off = [r for r in caplog.records if "in a row ended while writing a batch" in r.getMessage()
+                  and "trying again in" in r.getMessage()]
+    assert [r.levelname for r in backed_off] == ["ERROR", "ERROR"], "the third and the fourth death, each once"
 
 
 def test_batches_during_a_restart_fail_at_once_and_closing_ends_the_restart(tmp_path, monkeypatch, caplog):

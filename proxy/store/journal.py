@@ -291,7 +291,8 @@ class Journal:
     @property
     def write_problem(self) -> str | None:
         """Why the journal cannot write at all right now, when it knows (SQLite: its writer
-        process could not start and waits to try again); None otherwise."""
+        process could not start, or three in a row died on their batches, and it waits to try
+        again); None otherwise."""
         return self._sqlite_writer.problem if self._sqlite_writer is not None else None
 
     def _close_sqlite(self) -> None:

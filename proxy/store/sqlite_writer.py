@@ -57,6 +57,10 @@ _START_TIMEOUT = 30.0
 #: After a start that failed, the next one waits this long, doubling per failure up to the second
 #: figure; batches meanwhile fail at once instead of each paying for a start that fails.
 _RETRY_AFTER = (1.0, 30.0)
+#: A child that dies on this many batches in a row (none answered in between) is treated like one
+#: that cannot start: the journal reports it cannot write and waits before the next child, so a
+#: crash on every batch costs one start per wait, not one per batch. One death is replaced at once.
+_DEATHS_IN_A_ROW = 3
 _PR_SET_PDEATHSIG = 1
 #: What the child inherits from the broker's environment: enough to start Python, no secrets.
 _ENVIRONMENT = ("PATH", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ")
@@ -74,9 +78,11 @@ class SqliteWriter:
         self.timeout = timeout
         self._proc: asyncio.subprocess.Process | None = None
         self._starting = asyncio.Lock()
-        #: Why no writer process can run now (a start failed; the next is scheduled), else None.
+        #: Why no writer process can run now (a start failed, or children keep dying on their
+        #: batches; the next start is scheduled), else None.
         self.problem: str | None = None
         self._failed_starts = 0
+        self._batch_deaths = 0  # batches in a row the child died on, without an answer between
         self._retry_at = 0.0
         self._retry: asyncio.Task[None] | None = None
         self._relays: set[asyncio.Task[None]] = set()
@@ -113,15 +119,34 @@ class SqliteWriter:
         if self._closed:  # a start cut short by close(): nothing to report or to try again
             return
         self._failed_starts += 1
-        delay = min(_RETRY_AFTER[0] * 2 ** (self._failed_starts - 1), _RETRY_AFTER[1])
-        self._retry_at = time.monotonic() + delay
         if isinstance(exc, WriterGone):
-            self.problem = str(exc)
+            problem = str(exc)
         elif isinstance(exc, asyncio.CancelledError):
-            self.problem = "the SQLite writer process did not start within the journal's timeout"
+            problem = "the SQLite writer process did not start within the journal's timeout"
         else:
-            self.problem = f"the SQLite writer process could not start: {str(exc) or type(exc).__name__}"
-        log.error("journal: %s; trying again in %.0f s", self.problem, delay)
+            problem = f"the SQLite writer process could not start: {str(exc) or type(exc).__name__}"
+        self._back_off(problem, self._failed_starts)
+
+    def _died_on_batch(self, proc: asyncio.subprocess.Process) -> None:
+        """The child took a batch and ended (or hung) without answering it."""
+        if self._closed:
+            return
+        self._batch_deaths += 1
+        if self._batch_deaths < _DEATHS_IN_A_ROW:
+            return
+        status = f", exit status {proc.returncode}" if proc.returncode is not None else ", killed: no answer in time"
+        self._back_off(
+            f"{self._batch_deaths} SQLite writer processes in a row ended while writing a batch "
+            f"(the last: pid {proc.pid}{status}; what they printed is logged as 'SQLite writer process (pid N): ...')",
+            self._batch_deaths - _DEATHS_IN_A_ROW + 1,
+        )
+
+    def _back_off(self, problem: str, failures: int) -> None:
+        """No writer process for now: say why, and try again after a wait that doubles per failure."""
+        delay = min(_RETRY_AFTER[0] * 2 ** (failures - 1), _RETRY_AFTER[1])
+        self._retry_at = time.monotonic() + delay
+        self.problem = problem
+        log.error("journal: %s; trying again in %.0f s", problem, delay)
         if self._retry is None or self._retry.done():
             self._retry = asyncio.get_running_loop().create_task(self._start_later(), name="sqlite writer restart")
 
@@ -180,8 +205,13 @@ class SqliteWriter:
                     raise
                 continue
             break
-        async with self._killed_on_failure(proc, "ended without answering; a new one starts with the next batch"):
-            answer = await self._answer(proc)
+        try:
+            async with self._killed_on_failure(proc, "ended without answering; a new one starts with the next batch"):
+                answer = await self._answer(proc)
+        except WriterGone:
+            self._died_on_batch(proc)
+            raise
+        self._batch_deaths = 0
         if "error" in answer:
             error = sqlite3.IntegrityError if answer["error"] == "integrity" else sqlite3.OperationalError
             raise error(answer["message"])
