@@ -794,10 +794,8 @@ class Broker:
         task = loop.create_task(exchange.run())
         # Until dispatch, connection setup is bounded by its own timeouts; after it, the caller
         # waits at most the response timeout.
-        await _first_of(loop, task, req.caller_gone, exchange.dispatched)
-        if not task.done() and not req.caller_gone.is_set():
-            timeout = route.response_timeout or self.settings.upstream.response_timeout
-            await _first_of(loop, task, req.caller_gone, timeout=timeout)
+        timeout = route.response_timeout or self.settings.upstream.response_timeout
+        await _settled_or_released(loop, task, req.caller_gone, exchange.dispatched, timeout)
         if task.done():
             return await self._answer(exchange, task.result())
         disposition = "disconnected" if req.caller_gone.is_set() else "timed_out"
@@ -1118,20 +1116,27 @@ async def note_replay(journal: Journal, row: dict[str, Any], channel: str) -> No
         log.info("could not record a replay of %s: %s", row["invocation_id"], exc)
 
 
-async def _first_of(
-    loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], *flags: Flag, timeout: float | None = None
+async def _settled_or_released(
+    loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], caller_gone: Flag, dispatched: Flag, timeout: float
 ) -> None:
-    """Wait until the task ends, a flag is set, or the timeout passes, whichever is first."""
+    """Wait until the exchange task ends, the caller is gone, or ``timeout`` has passed since
+    ``dispatched`` was set, whichever is first. One wait for all three: the caller's coroutine
+    is not woken at dispatch only to wait again."""
     wake = loop.create_future()
+    timer: asyncio.TimerHandle | None = None
 
     def poke(*_: Any) -> None:
         if not wake.done():
             wake.set_result(None)
 
+    def start_the_clock() -> None:
+        nonlocal timer
+        if not wake.done():
+            timer = loop.call_later(timeout, poke)
+
     task.add_done_callback(poke)
-    for flag in flags:
-        flag.add_callback(poke)
-    timer = loop.call_later(timeout, poke) if timeout is not None else None
+    caller_gone.add_callback(poke)
+    dispatched.add_callback(start_the_clock)
     try:
         await wake
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
@@ -90,6 +91,44 @@ def test_group_commit_makes_every_write_durable_in_few_transactions(db):
     for row in rows:
         assert row["stage"] == "delivered" and row["outcome"] == "committed" and row["last_seq"] == 8
         assert row["dispatch_seq"] == 4
+
+
+def _accepted(journal: Journal) -> InvocationLog:
+    entry = InvocationLog(journal, identity(), "test")
+    entry.append(EventKind.ACTION_ACCEPTED, agent="builder")
+    return entry
+
+
+def test_a_lazy_write_does_not_wake_the_writer_and_goes_after_its_linger_or_with_the_next_commit(db):
+    """Rows nobody waits for (an invocation's first facts, a delivery record) neither wake the
+    writer nor wait for ever: they ride with the next write somebody waits for, or go alone once
+    the oldest of them has waited the linger."""
+    async def scenario():
+        engine = make_engine(db)
+        journal = Journal(engine, writer="w1", linger=0.3)
+        await journal.start()
+        await asyncio.sleep(0)  # the writer is waiting for work
+        started = time.monotonic()
+        alone = _accepted(journal).submit(lazy=True)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert journal._wakeup is not None and not journal._wakeup.done(), "a lazy write did not wake the writer"
+        await asyncio.wait_for(alone, 10)
+        waited = time.monotonic() - started
+        assert waited >= 0.3 - 0.01, f"it went before its linger ({waited:.3f} s)"
+
+        journal.linger = 30.0  # now only a commit can take it along within the test
+        before = journal.batches
+        riding = _accepted(journal).submit(lazy=True)
+        await asyncio.sleep(0.05)
+        assert not riding.done()
+        await asyncio.wait_for(_accepted(journal).commit(), 10)
+        assert riding.done() and journal.batches == before + 1, "the lazy rows rode with the commit"
+        assert journal._lazy_timer is None, "the linger starts again with the next lazy write"
+        await journal.close()
+        await engine.dispose()
+
+    asyncio.run(scenario())
 
 
 def test_the_projection_row_is_the_fold_of_the_stored_events(db):

@@ -214,6 +214,11 @@ class Journal:
         # A deque and one wake-up future: waiting for work costs no task per wait.
         self._queue: deque[Write] = deque()
         self._wakeup: asyncio.Future[None] | None = None
+        #: When the oldest queued lazy write has waited its linger, and the timer that wakes
+        #: the writer then (a lazy write alone does not wake it: a write somebody waits for
+        #: usually comes first and takes it along).
+        self._lazy_deadline: float | None = None
+        self._lazy_timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._conn: AsyncConnection | None = None
         # SQLite: batches go to a writer process of their own (proxy.store.sqlite_writer); the
@@ -282,6 +287,9 @@ class Journal:
             except asyncio.CancelledError:
                 pass
             self._task = None
+            if self._lazy_timer is not None:
+                self._lazy_timer.cancel()
+                self._lazy_timer = self._lazy_deadline = None
         await self._drop_connection()
         if self._sqlite_writer is not None:
             await self._sqlite_writer.close()
@@ -302,14 +310,23 @@ class Journal:
 
     def submit(self, write: Write) -> asyncio.Future[None]:
         """Queue rows for the next transaction; the future resolves once they are durable."""
-        write.future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        write.future = loop.create_future()
         if self._task is None:
             write.future.set_exception(JournalUnavailable("the journal writer is not running"))
+            return write.future
+        self._queue.append(write)
+        if write.lazy:
+            if self._lazy_deadline is None:
+                self._lazy_deadline = loop.time() + self.linger
+                self._lazy_timer = loop.call_at(self._lazy_deadline, self._wake)
         else:
-            self._queue.append(write)
-            if self._wakeup is not None and not self._wakeup.done():
-                self._wakeup.set_result(None)
+            self._wake()
         return write.future
+
+    def _wake(self) -> None:
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
 
     async def commit(self, write: Write) -> None:
         await self.submit(write)
@@ -350,15 +367,24 @@ class Journal:
                     if not all(w.lazy for w in batch):
                         break
                     # Only facts nobody waits for: let them ride with the next commit that
-                    # somebody does wait for, or go on their own after a short linger.
-                    more = await self._next(self.linger)
+                    # somebody does wait for, or go on their own once the oldest has lingered.
+                    left = (self._lazy_deadline or 0.0) - asyncio.get_running_loop().time()
+                    more = await self._next(left) if left > 0 else None
                     if more is None:
                         break
                     batch.append(more)
                     continue
                 batch.append(self._queue.popleft())
+            self._lazy_taken()
             await failpoint("journal_before_commit")
             await self._write_batch(batch)
+
+    def _lazy_taken(self) -> None:
+        """The batch just formed holds every lazy write queued so far (or the queue is full):
+        the linger starts again with the next one."""
+        if self._lazy_timer is not None and not any(w.lazy for w in self._queue):
+            self._lazy_timer.cancel()
+            self._lazy_timer = self._lazy_deadline = None
 
     async def _connection(self) -> AsyncConnection:
         if self._conn is None or self._conn.closed or self._conn.invalidated:
