@@ -67,6 +67,16 @@ def database_url(dialect: str, workdir: Path, request: pytest.FixtureRequest) ->
     return url
 
 
+@pytest.fixture(params=DIALECTS)
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh database per dialect, migrated to the current schema."""
+    from proxy.store import migrate
+
+    url = database_url(request.param, tmp_path, request)
+    migrate.upgrade(url)
+    return url
+
+
 def standard_routes(up: HostileUpstream) -> list[dict[str, Any]]:
     good = f"127.0.0.1:{up.tls_port('good')}"
     return [

@@ -6,25 +6,16 @@ import asyncio
 import json
 import time
 from datetime import UTC, datetime, timedelta, timezone
-from pathlib import Path
 
 import pytest
 from sqlalchemy import select, text
 
 from proxy.contract import EventKind, Phase, project
 from proxy.invocation_log import Identity, InvocationLog, new_invocation_id
-from proxy.store import migrate, queries
+from proxy.store import queries
 from proxy.store.journal import GENESIS, EventRow, Journal, JournalUnavailable, Write, canonical_time, chain_hash, make_engine
 from proxy.store.schema import events, invocations
-from tests.conftest import DIALECTS, database_url
 from tests.support.hostile import free_port
-
-
-@pytest.fixture(params=DIALECTS)
-def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    url = database_url(request.param, tmp_path, request)
-    migrate.upgrade(url)
-    return url
 
 
 def identity(**overrides) -> Identity:

@@ -16,7 +16,6 @@ from proxy.store import migrate
 from proxy.store.journal import EventRow, Fence, IdempotencyConflict, Journal, LeaseLost, make_engine, projection_row
 from proxy.store.schema import events, invocations, results
 from proxy.store.statements import CoreStatements, SqliteStatements
-from tests.test_journal import db  # noqa: F401 - the fixture: a fresh database per dialect
 
 NOW = datetime(2026, 11, 30, 12, 0, 0, 123456, tzinfo=UTC)
 
@@ -183,7 +182,7 @@ def test_many_updates_in_one_batch_land_like_one_statement_each(tmp_path):
     assert rows[f"act_{count:04d}"]["stage"] == invocation_row("x")["stage"]  # not in the batch: untouched
 
 
-def test_refused_writes_fail_alone_and_the_rest_of_their_batch_lands(db):  # noqa: F811 - the fixture
+def test_refused_writes_fail_alone_and_the_rest_of_their_batch_lands(db):
     from proxy.store.journal import Write
 
     async def scenario():
@@ -223,7 +222,7 @@ def test_refused_writes_fail_alone_and_the_rest_of_their_batch_lands(db):  # noq
 
 
 @pytest.mark.parametrize("fold", ["insert then update", "update only"])
-def test_an_invocation_inserted_and_updated_in_one_batch_is_stored_at_its_last_projection(db, fold):  # noqa: F811
+def test_an_invocation_inserted_and_updated_in_one_batch_is_stored_at_its_last_projection(db, fold):
     from proxy.store.journal import Write
 
     async def scenario():

@@ -3,23 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
-import pytest
 from sqlalchemy import text
 
 from proxy.contract import Code, EventKind, Phase
 from proxy.invocation_log import Identity, InvocationLog, new_invocation_id
-from proxy.store import migrate
 from proxy.store.journal import Journal, make_engine
-from tests.conftest import DIALECTS, database_url
-
-
-@pytest.fixture(params=DIALECTS)
-def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    url = database_url(request.param, tmp_path, request)
-    migrate.upgrade(url)
-    return url
 
 
 def _entry(journal: Journal, route: str) -> InvocationLog:

@@ -22,20 +22,11 @@ from proxy import vault
 from proxy.contract import Code
 from proxy.credentials import CredentialUnavailable
 from proxy.crypto import KeyRing, generate_key
-from proxy.store import migrate
 from proxy.store.journal import on_engine
 from proxy.store.vault_schema import vault_secrets
-from tests.conftest import DIALECTS, database_url
 from tests.support.journal import dump_journal
 
 KEY_ENV = "AFFIDAVIT_TEST_VAULT_KEY"
-
-
-@pytest.fixture(params=DIALECTS)
-def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    url = database_url(request.param, tmp_path, request)
-    migrate.upgrade(url)
-    return url
 
 
 def canary() -> str:
