@@ -492,6 +492,9 @@ def apply(record: Record, event: Event) -> Record:
 
 
 _RECORD_FIELDS = tuple(f.name for f in fields(Record))
+_RECORD_FIELD_SET = frozenset(_RECORD_FIELDS)
+# What _replaced relies on: every field is a plain init field, and __init__ does nothing else.
+assert all(f.init for f in fields(Record)) and not hasattr(Record, "__post_init__")
 _new_record = object.__new__
 _set = object.__setattr__
 
@@ -500,6 +503,7 @@ def _replaced(record: Record, changes: dict[str, Any]) -> Record:
     """``dataclasses.replace(record, **changes)`` for the one frozen class folded on every event
     of every request, at about two thirds of its cost (no per-field checks, no ``__init__``
     call). Every field is set, so the copy is whole."""
+    assert changes.keys() <= _RECORD_FIELD_SET, f"not fields of Record: {changes.keys() - _RECORD_FIELD_SET}"
     new = _new_record(Record)
     for name in _RECORD_FIELDS:
         _set(new, name, changes[name] if name in changes else getattr(record, name))

@@ -298,7 +298,8 @@ def _crashing_writer_hook(directory: Path) -> tuple[Path, Path]:
     file exists, makes every new writer process print a two-line error and exit with status 3 at
     start-up, as a broken install would, and while ``<flag>.hang`` exists makes it hang there;
     while ``<flag>.batch`` exists, a writer process that started exits with status 4 when it
-    reads a batch. It counts the starts it saw. Returns (flag, starts)."""
+    reads a batch, and while ``<flag>.batchhang`` exists it hangs there. It counts the starts it
+    saw. Returns (flag, starts)."""
     flag, starts = directory / "crash", directory / "starts"
     directory.mkdir()
     (directory / "sitecustomize.py").write_text(textwrap.dedent(f"""
@@ -317,6 +318,8 @@ def _crashing_writer_hook(directory: Path) -> tuple[Path, Path]:
             def _dying_loads(data):
                 if os.path.exists({str(flag) + ".batch"!r}):
                     os._exit(4)
+                while os.path.exists({str(flag) + ".batchhang"!r}):
+                    time.sleep(0.05)
                 return _loads(data)
             orjson.loads = _dying_loads  # the writer parses each batch with orjson.loads
     """))
@@ -423,6 +426,38 @@ def test_a_writer_process_that_dies_on_every_batch_is_not_replaced_per_batch_for
     backed_off = [r for r in caplog.records if "in a row ended while writing a batch" in r.getMessage()
                   and "trying again in" in r.getMessage()]
     assert [r.levelname for r in backed_off] == ["ERROR", "ERROR"], "the third and the fourth death, each once"
+
+
+def test_writer_processes_that_hang_on_their_batches_count_as_dying_on_them(tmp_path, monkeypatch):
+    """A child that takes a batch and never answers is killed at the journal's timeout; three in
+    a row and the journal says it cannot write, like three that died."""
+    flag, _ = _crashing_writer_hook(tmp_path / "hook")
+    hang = Path(str(flag) + ".batchhang")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "hook"))
+    monkeypatch.setattr(sqlite_writer, "_RETRY_AFTER", (3.0, 30.0))
+    url = _migrated(tmp_path / "hanging.db")
+
+    async def scenario() -> None:
+        journal = Journal(make_engine(url), writer="w1", timeout=2.0)
+        await journal.start()
+        try:
+            await journal.commit(_write(new_invocation_id()))
+            hang.touch()
+            for _ in range(3):
+                assert journal.write_problem is None
+                with pytest.raises(JournalUnavailable, match="did not answer in time"):
+                    await journal.commit(_write(new_invocation_id()))
+            problem = journal.write_problem or ""
+            assert "3 SQLite writer processes in a row" in problem and "no answer in time" in problem, problem
+            hang.unlink()
+            await _until(lambda: journal.write_problem is None, seconds=15)
+            await journal.commit(_write(new_invocation_id()))
+        finally:
+            hang.unlink(missing_ok=True)
+            await journal.close()
+            await journal.engine.dispose()
+
+    asyncio.run(scenario())
 
 
 def test_batches_during_a_restart_fail_at_once_and_closing_ends_the_restart(tmp_path, monkeypatch, caplog):

@@ -208,7 +208,8 @@ class SqliteWriter:
         try:
             async with self._killed_on_failure(proc, "ended without answering; a new one starts with the next batch"):
                 answer = await self._answer(proc)
-        except WriterGone:
+        except (WriterGone, asyncio.CancelledError):
+            # Gone, or hung until the journal's timeout cancelled the wait (it was killed then).
             self._died_on_batch(proc)
             raise
         self._batch_deaths = 0
