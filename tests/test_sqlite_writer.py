@@ -330,14 +330,21 @@ def _starts(starts: Path) -> int:
     return len(starts.read_text().splitlines()) if starts.exists() else 0
 
 
+def _journal_with_crash_hook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, retry_after: float = 3.0) -> tuple[Path, Path, str]:
+    """:func:`_crashing_writer_hook` on the writer processes' PYTHONPATH, the first retry of a
+    failed start after ``retry_after`` s (3 s: slow enough for a loaded machine), and a migrated
+    SQLite journal. Returns (flag, starts, url)."""
+    flag, starts = _crashing_writer_hook(tmp_path / "hook")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "hook"))
+    monkeypatch.setattr(sqlite_writer, "_RETRY_AFTER", (retry_after, 30.0))
+    return flag, starts, _migrated(tmp_path / "journal.db")
+
+
 def test_a_writer_process_that_cannot_start_again_is_retried_with_growing_waits_and_logged(tmp_path, monkeypatch, caplog, capfd):
     """The writer dies and every new one crashes at start: batches fail closed at once instead of
     each paying for a start, the journal says it cannot write, the crash's output is in the log as
     records (not raw text on the broker's stderr), and once a start works again the journal writes."""
-    flag, starts = _crashing_writer_hook(tmp_path / "hook")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "hook"))
-    monkeypatch.setattr(sqlite_writer, "_RETRY_AFTER", (3.0, 30.0))  # slow enough for a loaded machine
-    url = _migrated(tmp_path / "restart.db")
+    flag, starts, url = _journal_with_crash_hook(tmp_path, monkeypatch)
     caplog.set_level("INFO", logger="affidavit.journal")
 
     async def scenario() -> None:
@@ -381,11 +388,8 @@ def test_a_writer_process_that_dies_on_every_batch_is_not_replaced_per_batch_for
     """A writer that starts but dies on each batch it reads: one or two deaths are replaced at
     once (an isolated crash must not stop the journal), three in a row make the journal say it
     cannot write and wait before the next start, doubling; a batch answered again resets it."""
-    flag, starts = _crashing_writer_hook(tmp_path / "hook")
+    flag, starts, url = _journal_with_crash_hook(tmp_path, monkeypatch)
     on_batch = Path(str(flag) + ".batch")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "hook"))
-    monkeypatch.setattr(sqlite_writer, "_RETRY_AFTER", (3.0, 30.0))  # slow enough for a loaded machine
-    url = _migrated(tmp_path / "dying.db")
     caplog.set_level("INFO", logger="affidavit.journal")
 
     async def scenario() -> None:
@@ -431,11 +435,8 @@ def test_a_writer_process_that_dies_on_every_batch_is_not_replaced_per_batch_for
 def test_writer_processes_that_hang_on_their_batches_count_as_dying_on_them(tmp_path, monkeypatch):
     """A child that takes a batch and never answers is killed at the journal's timeout; three in
     a row and the journal says it cannot write, like three that died."""
-    flag, _ = _crashing_writer_hook(tmp_path / "hook")
+    flag, _, url = _journal_with_crash_hook(tmp_path, monkeypatch)
     hang = Path(str(flag) + ".batchhang")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "hook"))
-    monkeypatch.setattr(sqlite_writer, "_RETRY_AFTER", (3.0, 30.0))
-    url = _migrated(tmp_path / "hanging.db")
 
     async def scenario() -> None:
         journal = Journal(make_engine(url), writer="w1", timeout=2.0)
@@ -464,10 +465,7 @@ def test_batches_during_a_restart_fail_at_once_and_closing_ends_the_restart(tmp_
     """While a retry's new child is starting (here: hangs at start-up), a batch is refused at
     once instead of waiting its whole timeout, and closing the journal ends that start: the
     half-started child is killed, nothing is reported as a failure, nothing is left running."""
-    flag, starts = _crashing_writer_hook(tmp_path / "hook")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "hook"))
-    monkeypatch.setattr(sqlite_writer, "_RETRY_AFTER", (0.2, 30.0))
-    url = _migrated(tmp_path / "closing.db")
+    flag, starts, url = _journal_with_crash_hook(tmp_path, monkeypatch, retry_after=0.2)
     caplog.set_level("INFO", logger="affidavit.journal")
 
     async def scenario() -> None:
