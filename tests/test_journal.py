@@ -122,6 +122,40 @@ def test_a_lazy_write_does_not_wake_the_writer_and_goes_after_its_linger_or_with
     asyncio.run(scenario())
 
 
+def test_closing_the_journal_answers_every_write_it_was_given(db):
+    """Writes that arrive while the journal closes (a late delivery record, a background repair)
+    are written or refused, never left waiting for ever."""
+    async def scenario():
+        engine = make_engine(db)
+        journal = Journal(engine, writer="w1")
+        await journal.start()
+        futures: list[asyncio.Future[None]] = []
+        closed = asyncio.Event()
+
+        async def keep_writing() -> None:
+            while not closed.is_set():  # before, during and after close()
+                futures.append(_accepted(journal).submit(lazy=len(futures) % 3 == 0))
+                await asyncio.sleep(0)
+
+        writer = asyncio.create_task(keep_writing())
+        await asyncio.sleep(0.3)
+        await journal.close()
+        closed.set()
+        await writer
+        _, pending = await asyncio.wait(futures, timeout=10)
+        refused = [f for f in futures if f.done() and f.exception() is not None]
+        async with engine.connect() as conn:
+            stored = (await conn.execute(text("SELECT count(*) FROM invocations"))).scalar()
+        await engine.dispose()
+        return len(futures), len(pending), refused, stored
+
+    total, pending, refused, stored = asyncio.run(scenario())
+    assert total > 20
+    assert pending == 0, f"{pending} of {total} writes were never answered"
+    assert refused and all(isinstance(f.exception(), JournalUnavailable) for f in refused)
+    assert stored == total - len(refused), "every write answered as durable is stored, and no refused one"
+
+
 def test_the_projection_row_is_the_fold_of_the_stored_events(db):
     async def scenario():
         engine = make_engine(db)

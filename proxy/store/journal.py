@@ -219,6 +219,8 @@ class Journal:
         #: usually comes first and takes it along).
         self._lazy_deadline: float | None = None
         self._lazy_timer: asyncio.TimerHandle | None = None
+        self._in_flight: list[Write] = []  # the batch being written
+        self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._conn: AsyncConnection | None = None
         # SQLite: batches go to a writer process of their own (proxy.store.sqlite_writer); the
@@ -269,6 +271,7 @@ class Journal:
             except Exception as exc:  # every batch tries again, and fails closed if it must
                 self.start_problem = f"the SQLite journal's writer process could not start: {_brief(exc)}"
                 log.error("journal: %s", self.start_problem)
+        self._closing = False
         self._task = asyncio.create_task(self._run(), name="affidavit journal writer")
 
     async def close(self) -> None:
@@ -277,6 +280,10 @@ class Journal:
         except Exception as exc:  # a statistic; never block a stop on it
             log.info("replay counts not written at close: %s", exc)
         if self._task is not None:
+            # From here on new writes are refused; everything accepted before is written (or
+            # fails as a batch fails) by the flushes, and whatever is still unanswered after the
+            # writer stopped is refused, so no caller waits for ever.
+            self._closing = True
             await self.flush()
             if self._writer_seq > self._checkpoint_seq:
                 self._checkpoint_at = 0.0  # one last checkpoint for the chain's final head
@@ -290,6 +297,11 @@ class Journal:
             if self._lazy_timer is not None:
                 self._lazy_timer.cancel()
                 self._lazy_timer = self._lazy_deadline = None
+            stranded, self._in_flight = [*self._in_flight, *self._queue], []
+            self._queue.clear()
+            for w in stranded:
+                if w.future is not None and not w.future.done():
+                    w.future.set_exception(JournalUnavailable("the journal closed before this write was made durable"))
         await self._drop_connection()
         if self._sqlite_writer is not None:
             await self._sqlite_writer.close()
@@ -310,6 +322,14 @@ class Journal:
 
     def submit(self, write: Write) -> asyncio.Future[None]:
         """Queue rows for the next transaction; the future resolves once they are durable."""
+        if self._closing:
+            future = asyncio.get_running_loop().create_future()
+            future.set_exception(JournalUnavailable("the journal is closing"))
+            write.future = future
+            return future
+        return self._enqueue(write)
+
+    def _enqueue(self, write: Write) -> asyncio.Future[None]:
         loop = asyncio.get_running_loop()
         write.future = loop.create_future()
         if self._task is None:
@@ -336,7 +356,7 @@ class Journal:
         batch goes to the database, so a due checkpoint is written)."""
         if self._task is None:
             return
-        marker = self.submit(Write(checkpoint_only=force))
+        marker = self._enqueue(Write(checkpoint_only=force))
         try:
             await marker
         except JournalUnavailable:
@@ -376,8 +396,10 @@ class Journal:
                     continue
                 batch.append(self._queue.popleft())
             self._lazy_taken()
+            self._in_flight = batch
             await failpoint("journal_before_commit")
             await self._write_batch(batch)
+            self._in_flight = []
 
     def _lazy_taken(self) -> None:
         """The batch just formed holds every lazy write queued so far (or the queue is full):
