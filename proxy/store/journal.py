@@ -322,18 +322,15 @@ class Journal:
 
     def submit(self, write: Write) -> asyncio.Future[None]:
         """Queue rows for the next transaction; the future resolves once they are durable."""
-        if self._closing:
-            future = asyncio.get_running_loop().create_future()
-            future.set_exception(JournalUnavailable("the journal is closing"))
-            write.future = future
-            return future
-        return self._enqueue(write)
+        return self._enqueue(write, refuse="the journal is closing" if self._closing else None)
 
-    def _enqueue(self, write: Write) -> asyncio.Future[None]:
+    def _enqueue(self, write: Write, refuse: str | None = None) -> asyncio.Future[None]:
         loop = asyncio.get_running_loop()
         write.future = loop.create_future()
         if self._task is None:
-            write.future.set_exception(JournalUnavailable("the journal writer is not running"))
+            refuse = "the journal writer is not running"
+        if refuse is not None:
+            write.future.set_exception(JournalUnavailable(refuse))
             return write.future
         self._queue.append(write)
         if write.lazy:
@@ -570,9 +567,9 @@ class Journal:
         for w in writes:
             for e in w.events:
                 writer_seq += 1
-                canonical = _canonical(
+                digest = hashlib.sha256(_canonical(
                     e.invocation_id, e.seq, e.kind, canonical_time(e.at), writer, writer_seq, prev_hash, e.key_id, e.payload
-                )
+                )).hexdigest()  # fmt: skip
                 rows.append({
                     "invocation_id": e.invocation_id,
                     "seq": e.seq,
@@ -583,9 +580,9 @@ class Journal:
                     "prev_hash": prev_hash,
                     "key_id": e.key_id,
                     "payload": e.payload,
-                    "hash": hashlib.sha256(canonical).hexdigest(),
+                    "hash": digest,
                 })  # fmt: skip
-                prev_hash = rows[-1]["hash"]
+                prev_hash = digest
         chain[:] = [writer_seq, prev_hash]
         return rows
 
