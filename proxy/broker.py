@@ -178,7 +178,7 @@ class LookupUnavailable(Exception):
 
 
 class _Exchange:
-    """One upstream exchange for one invocation: the observer aiohttp's trace signals call."""
+    """One upstream exchange for one invocation: what the upstream client tells at each step."""
 
     def __init__(self, broker: "Broker", entry: InvocationLog, request: UpstreamRequest, needles: list[bytes]):
         self.broker = broker
@@ -490,7 +490,10 @@ class Broker:
             headers.append((route.idempotency.header, key))
         request = UpstreamRequest(
             method=entry.identity.method,
-            url=f"{req.scheme}://{_authority(req.host, req.port, req.scheme)}{req.path or '/'}",
+            scheme=req.scheme,
+            host=req.host,
+            port=req.port,
+            target=req.path or "/",
             headers=headers,
             body=req.body,
             connect_timeout=route.connect_timeout or self.settings.upstream.connect_timeout,
@@ -1257,10 +1260,4 @@ def _job_reference(response: UpstreamResponse) -> str | None:
             if isinstance(value, (str, int)) and len(str(value)) <= 200:
                 return str(value)
     return None
-
-
-def _authority(host: str, port: int, scheme: str) -> str:
-    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-    default = 443 if scheme == "https" else 80
-    return host if port == default else f"{host}:{port}"
 

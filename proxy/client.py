@@ -14,7 +14,7 @@ and follows ``next_action`` (``docs/retries.md``). This module is that loop, sma
 Decisions branch only on the closed enums, never on ``message`` (text for humans that may change).
 
 Why the standard library for the side API: the package's runtime dependencies have no synchronous
-HTTP client (aiohttp is async-only, httpx and requests are test dependencies), and an agent should
+HTTP client (httpx and requests are test dependencies only), and an agent should
 not need one to recover. ``http.client`` also never reads ``HTTP(S)_PROXY``; ``urllib.request``
 would, and in an agent configured by ``affidavit env`` (everything through the broker) it would
 send side API calls to the proxy, which refuses them as ``INVALID_TARGET``.

@@ -2,7 +2,7 @@
 
 Every record carries ``ts``, ``level``, ``logger`` and ``msg``; fields passed with ``extra=``
 (invocation id, route, phase, outcome, code, durations) become top-level keys, so a log pipeline
-can filter on them. Library loggers (mitmproxy, uvicorn, aiohttp) are kept at WARNING unless the
+can filter on them. Library loggers (mitmproxy, uvicorn, asyncio) are kept at WARNING unless the
 broker runs at DEBUG.
 """
 
@@ -43,5 +43,5 @@ def setup(level: str = "info") -> None:
     numeric = getattr(logging, level.upper(), logging.INFO)
     root.setLevel(numeric)
     quiet = logging.DEBUG if numeric <= logging.DEBUG else logging.WARNING
-    for name in ("mitmproxy", "uvicorn", "uvicorn.error", "aiohttp", "asyncio", "alembic", "sqlalchemy"):
+    for name in ("mitmproxy", "uvicorn", "uvicorn.error", "asyncio", "alembic", "sqlalchemy"):
         logging.getLogger(name).setLevel(quiet)

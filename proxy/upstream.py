@@ -1,33 +1,34 @@
-"""The upstream exchange: the broker, not mitmproxy, talks to the remote (adapter over aiohttp).
+"""The upstream exchange: the broker, not mitmproxy, talks to the remote.
 
 mitmproxy handles the agent's side (CONNECT, TLS interception, parsing); this module performs
 the request to the upstream in a task that may outlive the agent's connection, so a result that
 arrives after the caller left is still read, recorded and fetchable.
 
-The dispatch boundary is an awaited aiohttp trace signal: ``on_connection_create_end`` fires
-once a *new* connection is established and its certificate verified, ``on_connection_reuseconn``
-when a pooled one is taken, and in both cases aiohttp writes no request byte until the signal's
-callbacks return. :meth:`ExchangeObserver.dispatch` commits ``DISPATCH_STARTED`` there. Anything
-that fails before it is connection setup (``not_attempted``); anything after it is remote
-execution (``unknown`` unless a complete response arrives).
+The broker drives each connection itself, one step at a time, so the dispatch boundary is a line
+of code rather than a library's promise: resolve the name (stage ``dns``), connect (``tcp_connect``),
+shake hands and verify the certificate (``tls_handshake``), or take an idle pooled connection;
+then await :meth:`ExchangeObserver.dispatch`, which commits ``DISPATCH_STARTED``; only then write
+the request, in one ``write`` of bytes prepared before the boundary. Anything that fails before
+it is connection setup (``not_attempted``); anything after it is remote execution (``unknown``
+unless a complete response arrives). A request is written at most once: nothing here re-sends.
 
-All knowledge of aiohttp's exceptions lives here, in :func:`classify_setup_failure` and
-:func:`classify_exchange_failure`; nothing else in the broker inspects them.
+The response is parsed by ``httptools`` (llhttp, the parser of Node.js): framing errors (a short
+body, an unterminated chunk, bytes that are not HTTP) are errors, and a body delimited by the
+connection's close is complete only when the close is clean.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import hashlib
+import ipaddress
 import socket
 import ssl
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-import aiohttp
-from aiohttp.abc import AbstractResolver, ResolveResult
-from aiohttp.resolver import ThreadedResolver
+import httptools
 
 from .contract import Code
 
@@ -53,6 +54,9 @@ _EXPIRED = {10}  # CERT_HAS_EXPIRED
 _NOT_YET_VALID = {9}
 _HOSTNAME = {62}  # HOSTNAME_MISMATCH
 _UNTRUSTED = {18, 19, 20, 21, 2, 24, 27, 28}  # self-signed, unknown issuer, untrusted, rejected
+
+#: An idle pooled connection older than this is closed rather than reused.
+KEEPALIVE_SECONDS = 30.0
 
 
 class ExchangeObserver(Protocol):
@@ -96,19 +100,31 @@ class ExchangeFailed(Exception):
         self.headers_received = headers_received
 
 
-class _SilentResend(Exception):
-    """aiohttp tried to send the same request again on its own; the broker never allows that."""
+class ResponseTooLarge(Exception):
+    pass
+
+
+class ResponseBroken(Exception):
+    """The response's bytes stopped before its framing said they would end, or were not HTTP."""
 
 
 @dataclass(frozen=True, slots=True)
 class UpstreamRequest:
     method: str
-    url: str
+    scheme: str  # http | https
+    host: str
+    port: int
+    target: str  # origin form: path and query
     headers: list[tuple[str, str]]
     body: bytes
-    connect_to: tuple[str, int] | None = None
     connect_timeout: float = 10.0
     max_response_body: int = 32 * 1024 * 1024
+
+    @property
+    def authority(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        default = 443 if self.scheme == "https" else 80
+        return host if self.port == default else f"{host}:{self.port}"
 
 
 @dataclass(slots=True)
@@ -132,158 +148,36 @@ class UpstreamResponse:
         return next((v for k, v in self.headers if k.lower() == name), None)
 
 
-@dataclass(slots=True)
-class _Progress:
-    """Per-exchange state the trace callbacks fill in (aiohttp's ``trace_request_ctx``)."""
-
-    observer: ExchangeObserver
-    body_length: int
-    tls: bool = False
-    stage: str = "dns"
-    dispatched: bool = False
-    bytes_sent: int = 0
-    request_complete: bool = False
-    headers_received: bool = False
-    attempt: int = 1
-    errors: list[str] = field(default_factory=list)
-
-
-class _Resolver(AbstractResolver):
-    """Resolves through the system, except for hosts a route pins with ``connect_to``."""
-
-    def __init__(self, timeout: float):
-        self._system = ThreadedResolver()
-        self._pins: dict[tuple[str, int], tuple[str, int]] = {}
-        self._timeout = timeout
-
-    def pin(self, host: str, port: int, target: tuple[str, int]) -> None:
-        self._pins[(host.lower(), port)] = target
-
-    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
-        pinned = self._pins.get((host.lower(), port))
-        if pinned is not None:
-            address, real_port = pinned
-            fam = socket.AF_INET6 if ":" in address else socket.AF_INET
-            return [
-                {"hostname": host, "host": address, "port": real_port, "family": fam, "proto": 0, "flags": socket.AI_NUMERICHOST}
-            ]
-        return await asyncio.wait_for(self._system.resolve(host, port, family), self._timeout)
-
-    async def close(self) -> None:
-        await self._system.close()
+def request_head(request: UpstreamRequest) -> bytes:
+    """The request line and headers, as written upstream. Raises ValueError for a header that
+    would split the request (a line break or NUL in a name or value)."""
+    lines = [f"{request.method} {request.target or '/'} HTTP/1.1", f"Host: {request.authority}"]
+    for name, value in request.headers:
+        if name.lower() not in HOP_BY_HOP:
+            lines.append(f"{name}: {value}")
+    if request.body or request.method not in ("GET", "HEAD"):
+        lines.append(f"Content-Length: {len(request.body)}")
+    head = "\n".join(lines)
+    if head.count("\n") != len(lines) - 1 or "\r" in head or "\0" in head:
+        raise ValueError("a header name or value contains a line break or NUL; it would split the request")
+    return head.replace("\n", "\r\n").encode("utf-8", "surrogateescape") + b"\r\n\r\n"
 
 
-#: The exchange a new upstream connection is being opened for (aiohttp opens it in the task of
-#: the request, so the socket factory below finds it here).
-_OPENING: contextvars.ContextVar[_Progress | None] = contextvars.ContextVar("affidavit_opening", default=None)
-
-
-class _WatchedSocket(socket.socket):
-    """A socket that tells its exchange when the TCP connection is up, so that a stall after
-    that (in the TLS handshake) is recorded as such and not as a TCP connect. asyncio learns of
-    the connection from ``connect()`` returning, or from ``SO_ERROR`` reading 0 once the socket
-    turns writable; both calls come through here."""
-
-    progress: _Progress | None = None
-
-    def connect(self, address: Any) -> None:
-        super().connect(address)
-        self._up()
-
-    def getsockopt(self, *args: Any) -> Any:
-        value = super().getsockopt(*args)
-        if args[:2] == (socket.SOL_SOCKET, socket.SO_ERROR) and value == 0:
-            self._up()
-        return value
-
-    def _up(self) -> None:
-        # Dropped once told: a pooled connection outlives the exchange that opened it.
-        p, self.progress = self.progress, None
-        if p is not None and p.tls and p.stage == "tcp_connect":
-            p.stage = "tls_handshake"
-
-
-def _open_socket(addr_info: Any) -> socket.socket:
-    family, kind, proto = addr_info[:3]
-    sock = _WatchedSocket(family, kind, proto)
-    sock.progress = _OPENING.get()
-    return sock
-
-
-def _ctx(params_ctx: Any) -> _Progress | None:
-    ctx = getattr(params_ctx, "trace_request_ctx", None)
-    return ctx if isinstance(ctx, _Progress) else None
-
-
-async def _on_dns_start(_s: Any, tctx: Any, _p: Any) -> None:
-    if (p := _ctx(tctx)) is not None:
-        p.stage = "dns"
-
-
-async def _on_dns_end(_s: Any, tctx: Any, _p: Any) -> None:
-    if (p := _ctx(tctx)) is not None:
-        p.stage = "tcp_connect"
-
-
-async def _on_create_start(_s: Any, tctx: Any, _p: Any) -> None:
-    if (p := _ctx(tctx)) is not None and not p.dispatched:
-        p.stage = "dns"
-
-
-async def _boundary(p: _Progress, connection: str) -> None:
-    if p.dispatched:
-        # aiohttp retries a failed idempotent request on a new connection by itself; the broker
-        # decides retries from evidence and route declarations, so the second send never starts.
-        raise _SilentResend()
-    await p.observer.dispatch(p.attempt, connection)
-    p.dispatched = True
-    p.stage = "dispatched"
-
-
-async def _on_create_end(_s: Any, tctx: Any, _p: Any) -> None:
-    if (p := _ctx(tctx)) is not None:
-        await _boundary(p, "new")
-
-
-async def _on_reuse(_s: Any, tctx: Any, _p: Any) -> None:
-    if (p := _ctx(tctx)) is not None:
-        await _boundary(p, "reused")
-
-
-async def _sent(p: _Progress) -> None:
-    if not p.request_complete and p.bytes_sent >= p.body_length:
-        p.request_complete = True
-        await p.observer.request_sent()
-
-
-async def _on_headers_sent(_s: Any, tctx: Any, _p: Any) -> None:
-    if (p := _ctx(tctx)) is not None:
-        await _sent(p)
-
-
-async def _on_chunk_sent(_s: Any, tctx: Any, params: Any) -> None:
-    if (p := _ctx(tctx)) is not None:
-        p.bytes_sent += len(params.chunk)
-        await _sent(p)
-
-
-def _trace_config() -> aiohttp.TraceConfig:
-    trace = aiohttp.TraceConfig()
-    trace.on_dns_resolvehost_start.append(_on_dns_start)
-    trace.on_dns_resolvehost_end.append(_on_dns_end)
-    trace.on_connection_create_start.append(_on_create_start)
-    trace.on_connection_create_end.append(_on_create_end)
-    trace.on_connection_reuseconn.append(_on_reuse)
-    trace.on_request_headers_sent.append(_on_headers_sent)
-    trace.on_request_chunk_sent.append(_on_chunk_sent)
-    return trace
+def framing_of(method: str, status: int, headers: list[tuple[str, str]]) -> str:
+    if method == "HEAD" or status in (204, 304):
+        return "none"
+    names = {k.lower(): v for k, v in headers}
+    if "chunked" in names.get("transfer-encoding", "").lower():
+        return "chunked"
+    if "content-length" in names:
+        return "content-length"
+    return "close"
 
 
 def classify_setup_failure(exc: BaseException, stage: str) -> tuple[str, Code]:
     """(stage, code) for a failure before the dispatch boundary."""
-    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
-        cert_error = exc.certificate_error
-        verify_code = getattr(cert_error, "verify_code", None)
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        verify_code = exc.verify_code
         if verify_code in _EXPIRED or verify_code in _NOT_YET_VALID:
             return "tls_handshake", Code.TLS_CERT_EXPIRED
         if verify_code in _HOSTNAME:
@@ -291,38 +185,19 @@ def classify_setup_failure(exc: BaseException, stage: str) -> tuple[str, Code]:
         if verify_code in _UNTRUSTED:
             return "tls_handshake", Code.TLS_CERT_UNTRUSTED
         return "tls_handshake", Code.TLS_CERT_INVALID
-    if isinstance(exc, (aiohttp.ClientConnectorSSLError, ssl.SSLError)):
+    if isinstance(exc, ssl.SSLError):
         return "tls_handshake", Code.TLS_HANDSHAKE_FAILED
-    if isinstance(exc, aiohttp.ClientConnectorDNSError) or isinstance(exc, socket.gaierror):
+    if isinstance(exc, socket.gaierror):
         return "dns", Code.DNS_FAILED
-    if isinstance(exc, (asyncio.TimeoutError, aiohttp.ConnectionTimeoutError, aiohttp.ServerTimeoutError)):
-        return (stage if stage != "dispatched" else "tcp_connect"), Code.CONNECT_TIMEOUT
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        if isinstance(exc.os_error, ConnectionRefusedError):
-            return "tcp_connect", Code.CONNECT_REFUSED
-        if isinstance(exc.os_error, ssl.SSLError) or stage == "tls_handshake":
-            return "tls_handshake", Code.TLS_HANDSHAKE_FAILED  # a reset mid-handshake, say
-        if stage == "dns":
-            return "dns", Code.DNS_FAILED
-        return "tcp_connect", Code.CONNECT_FAILED
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return stage, Code.CONNECT_TIMEOUT
+    if isinstance(exc, ConnectionRefusedError) and stage == "tcp_connect":
+        return "tcp_connect", Code.CONNECT_REFUSED
+    if stage == "tls_handshake":
+        return "tls_handshake", Code.TLS_HANDSHAKE_FAILED  # a reset mid-handshake, say
+    if stage == "dns":
+        return "dns", Code.DNS_FAILED
     return stage, Code.CONNECT_FAILED
-
-
-def classify_exchange_failure(exc: BaseException, p: _Progress) -> Code:
-    """The code for a failure after the boundary: the outcome is unknown either way."""
-    if p.headers_received and isinstance(exc, aiohttp.ClientPayloadError):
-        return Code.REMOTE_RESULT_INCOMPLETE
-    return Code.REMOTE_OUTCOME_UNKNOWN
-
-
-def framing_of(method: str, status: int, headers: Any) -> str:
-    if method == "HEAD" or status in (204, 304):
-        return "none"
-    if "chunked" in headers.get("Transfer-Encoding", "").lower():
-        return "chunked"
-    if "Content-Length" in headers:
-        return "content-length"
-    return "close"
 
 
 def diagnostic(exc: BaseException) -> str:
@@ -331,157 +206,408 @@ def diagnostic(exc: BaseException) -> str:
     return f"{exc.__class__.__module__}.{exc.__class__.__qualname__}: {text}"[:500]
 
 
-class ResponseTooLarge(Exception):
-    pass
+class _Reading:
+    """One response being read: what the connection's parser callbacks fill in."""
+
+    __slots__ = ("method", "limit", "status", "reason", "headers", "chunks", "size", "head", "done", "first_body")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, method: str, limit: int):
+        self.method = method
+        self.limit = limit
+        self.status = 0
+        self.reason = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.head: asyncio.Future[None] = loop.create_future()
+        self.done: asyncio.Future[None] = loop.create_future()
+        #: Resolved by the first body byte or the end of the response, whichever comes first.
+        self.first_body: asyncio.Future[None] = loop.create_future()
+
+
+def _resolve(future: asyncio.Future[None], exc: BaseException | None = None) -> None:
+    if not future.done():
+        if exc is None:
+            future.set_result(None)
+        else:
+            future.set_exception(exc)
+            future.exception()  # read here: an unawaited head or first_body must not warn
+
+
+class _Connection(asyncio.Protocol):
+    """One upstream connection: one request at a time, its response parsed as it arrives."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.reading: _Reading | None = None
+        self.lost = False
+        self.reusable = True
+        #: The broker closed it (shutdown, a broken or oversized response): an end that says
+        #: nothing about the response's framing.
+        self.closed_here = False
+        self.peer_certificate: str | None = None
+        self.idle_since = 0.0
+
+    # -- asyncio.Protocol -------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        reading = self.reading
+        if reading is None or reading.done.done():
+            self._broken(None)  # bytes nobody asked for: the connection cannot be trusted again
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._broken(ResponseBroken(f"the upstream's response is not valid HTTP/1.1: {exc}"))
+            return
+        if reading.size > reading.limit:
+            self._broken(ResponseTooLarge())
+
+    def eof_received(self) -> bool | None:
+        self._ended(None)
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._ended(exc)
+
+    # -- httptools callbacks ----------------------------------------------------------------
+
+    def on_status(self, reason: bytes) -> None:
+        assert self.reading is not None
+        self.reading.reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.reading is not None
+        self.reading.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        reading = self.reading
+        assert reading is not None
+        status = self.parser.get_status_code()
+        if status < 200:
+            # An interim response (100 Continue, 103 Early Hints): not the answer; llhttp ends
+            # it here and parses the final response that follows on the same connection.
+            reading.headers = []
+            reading.reason = b""
+            return
+        reading.status = status
+        _resolve(reading.head)
+        if reading.method == "HEAD":
+            # llhttp cannot be told that a response to HEAD has no body; it would wait for
+            # Content-Length bytes. The response is complete; the connection is not reused.
+            self.reusable = False
+            self._complete()
+
+    def on_body(self, body: bytes) -> None:
+        reading = self.reading
+        assert reading is not None
+        if reading.done.done():
+            return  # the body llhttp expects after a response to HEAD, which has none
+        reading.size += len(body)
+        if reading.size <= reading.limit:
+            reading.chunks.append(body)
+        _resolve(reading.first_body)
+
+    def on_message_complete(self) -> None:
+        reading = self.reading
+        if reading is not None and reading.status >= 200:
+            if not self.parser.should_keep_alive():
+                self.reusable = False
+            self._complete()
+
+    # -- the exchange's side ----------------------------------------------------------------
+
+    def _complete(self) -> None:
+        reading = self.reading
+        assert reading is not None
+        _resolve(reading.first_body)
+        _resolve(reading.done)
+
+    def _ended(self, exc: Exception | None) -> None:
+        """The upstream closed (or the connection broke): the end of a close-delimited body, or
+        the end of a response that was cut short."""
+        self.lost = True
+        reading = self.reading
+        if reading is None or reading.done.done():
+            return
+        if self.closed_here:
+            self._fail(ConnectionAbortedError("the broker closed the connection before the response ended"))
+            return
+        if reading.head.done() and exc is None and framing_of(reading.method, reading.status, _text(reading.headers)) == "close":
+            self.reusable = False
+            self._complete()
+            return
+        if reading.head.done():
+            self._fail(ResponseBroken("the connection closed before the response's framing said it would end"))
+        else:
+            self._fail(exc or ConnectionResetError("the upstream closed the connection without a response"))
+
+    def _broken(self, exc: BaseException | None) -> None:
+        self.reusable = False
+        self.closed_here = True
+        if self.transport is not None:
+            self.transport.abort()
+        if exc is not None:
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        reading = self.reading
+        if reading is not None:
+            for future in (reading.head, reading.first_body, reading.done):
+                _resolve(future, exc)
+
+    def send(self, data: bytes, reading: _Reading) -> None:
+        assert self.transport is not None
+        self.reading = reading
+        if self.lost or self.transport.is_closing():
+            self._fail(ConnectionResetError("the pooled connection closed before the request was written"))
+            return
+        self.transport.write(data)
+
+    def close(self) -> None:
+        self.reusable = False
+        self.closed_here = True
+        if self.transport is not None:
+            self.transport.close()
+
+    @property
+    def idle_and_open(self) -> bool:
+        return not self.lost and self.reusable and self.transport is not None and not self.transport.is_closing()
+
+
+def _text(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+
+
+@dataclass(slots=True)
+class _Progress:
+    stage: str = "dns"
+    dispatched: bool = False
+    request_complete: bool = False
+    headers_received: bool = False
 
 
 class Upstream:
-    """One pooled aiohttp session per broker process."""
+    """The broker's upstream client: one pool of keep-alive connections per broker process."""
 
     def __init__(self, *, ca_bundle: str = "", dns_timeout: float = 10.0):
         context = ssl.create_default_context()
         if ca_bundle:
             context.load_verify_locations(cafile=ca_bundle)
-        self._resolver = _Resolver(dns_timeout)
-        self._connector = aiohttp.TCPConnector(
-            limit=0,
-            ssl=context,
-            resolver=self._resolver,
-            enable_cleanup_closed=False,
-            keepalive_timeout=30,
-            socket_factory=_open_socket,
-        )
-        self._session = aiohttp.ClientSession(
-            connector=self._connector,
-            trace_configs=[_trace_config()],
-            cookie_jar=aiohttp.DummyCookieJar(),
-            auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_connect=None, sock_read=None),
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-        )
-
-    async def close(self) -> None:
-        await self._session.close()
+        self._tls = context
+        self._dns_timeout = dns_timeout
+        self._pins: dict[tuple[str, int], tuple[str, int]] = {}
+        self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._open: set[_Connection] = set()
 
     def pin(self, host: str, port: int, target: tuple[str, int]) -> None:
-        self._resolver.pin(host, port, target)
+        """Connect to ``target`` for ``host:port`` (a route's ``connect_to``); TLS still checks
+        the certificate against ``host``."""
+        self._pins[(host.lower(), port)] = target
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for conn in list(self._open):
+            conn.close()
+        self._idle.clear()
 
     async def exchange(self, request: UpstreamRequest, observer: ExchangeObserver, attempt: int = 1) -> UpstreamResponse:
         """Send ``request`` once. Raises :class:`SetupFailed`, :class:`DispatchRefused` or
         :class:`ExchangeFailed`; returns only a complete response."""
-        progress = _Progress(observer=observer, body_length=len(request.body), attempt=attempt,
-                             tls=request.url.startswith("https:"))
-        headers = [(k, v) for k, v in request.headers if k.lower() not in HOP_BY_HOP]
-        opening = _OPENING.set(progress)
+        progress = _Progress()
         try:
-            response = await self._session.request(
-                request.method,
-                request.url,
-                headers=headers,
-                data=request.body if request.body or request.method not in ("GET", "HEAD") else None,
-                allow_redirects=False,
-                trace_request_ctx=progress,
-                timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_connect=request.connect_timeout),
-                read_until_eof=True,
-            )
-        except DispatchRefused:
-            raise
-        except asyncio.CancelledError:
-            raise
-        except _SilentResend:
-            raise ExchangeFailed(
-                Code.REMOTE_OUTCOME_UNKNOWN,
-                "connection lost after dispatch; the transport's own re-send was refused",
-                request_complete=progress.request_complete,
-                headers_received=False,
-            ) from None
-        except Exception as exc:  # every other failure is classified by where it happened
-            if not progress.dispatched:
+            data = request_head(request) + request.body
+        except ValueError as exc:
+            raise SetupFailed("request", Code.CONNECT_FAILED, str(exc)) from None
+        key = (request.scheme, request.host.lower(), request.port)
+        conn = self._take(key)
+        how = "reused"
+        if conn is None:
+            how = "new"
+            try:
+                conn = await self._connect(request, progress)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # every failure is classified by where it happened
                 stage, code = classify_setup_failure(exc, progress.stage)
                 raise SetupFailed(stage, code, diagnostic(exc)) from None
-            raise ExchangeFailed(
-                classify_exchange_failure(exc, progress),
-                diagnostic(exc),
-                request_complete=progress.request_complete,
-                headers_received=False,
-            ) from None
-        finally:
-            _OPENING.reset(opening)
-
-        progress.headers_received = True
-        if not progress.request_complete:
-            # A complete response cannot precede the whole request on HTTP/1.1 unless the
-            # server answered early; the bytes were at least handed over up to now.
-            progress.request_complete = True
-        peer = _peer_certificate(response)
-        framing = framing_of(request.method, response.status, response.headers)
         try:
-            await observer.response_started(response.status)
-            body = await _read_body(response, request.max_response_body, observer)
-        except ResponseTooLarge:
-            response.close()
-            raise ExchangeFailed(
-                Code.RESULT_TOO_LARGE,
-                f"response body exceeds {request.max_response_body} bytes",
-                request_complete=True,
-                headers_received=True,
-            ) from None
+            await observer.dispatch(attempt, how)
+        except BaseException:
+            self._give_back(key, conn)  # nothing was written on it
+            raise
+        progress.dispatched = True
+        progress.stage = "dispatched"
+        reading = _Reading(asyncio.get_running_loop(), request.method, request.max_response_body)
+        try:
+            return await self._exchange(conn, data, reading, request, observer, progress)
+        finally:
+            if reading.done.done() and not reading.done.exception() and conn.reusable and not conn.lost:
+                conn.reading = None
+                self._give_back(key, conn)
+            else:
+                self._forget(conn)
+
+    async def _exchange(
+        self, conn: _Connection, data: bytes, reading: _Reading, request: UpstreamRequest,
+        observer: ExchangeObserver, progress: _Progress,
+    ) -> UpstreamResponse:
+        conn.send(data, reading)
+        if not reading.done.done():
+            # Handed to the transport whole (it buffers what the socket does not take yet);
+            # a connection that had closed before the write failed the reading instead.
+            progress.request_complete = True
+            await observer.request_sent()
+        try:
+            await reading.head
         except asyncio.CancelledError:
-            response.close()
             raise
         except Exception as exc:
-            response.close()
             raise ExchangeFailed(
-                classify_exchange_failure(exc, progress),
-                diagnostic(exc),
-                request_complete=True,
-                headers_received=True,
+                Code.REMOTE_OUTCOME_UNKNOWN, diagnostic(exc),
+                request_complete=progress.request_complete, headers_received=False,
             ) from None
-        finally:
-            response.release()
+        progress.headers_received = True
+        progress.request_complete = True  # an answer implies the request was taken
+        try:
+            await observer.response_started(reading.status)
+            await reading.first_body
+            if reading.chunks:
+                await observer.body_started()
+            await reading.done
+        except ResponseTooLarge:
+            raise ExchangeFailed(
+                Code.RESULT_TOO_LARGE, f"response body exceeds {request.max_response_body} bytes",
+                request_complete=True, headers_received=True,
+            ) from None
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise ExchangeFailed(
+                Code.REMOTE_RESULT_INCOMPLETE, diagnostic(exc), request_complete=True, headers_received=True,
+            ) from None
+        if reading.size > reading.limit:  # the last bytes arrived with the end of the response
+            raise ExchangeFailed(
+                Code.RESULT_TOO_LARGE, f"response body exceeds {request.max_response_body} bytes",
+                request_complete=True, headers_received=True,
+            )
+        headers = _text(reading.headers)
         return UpstreamResponse(
-            status=response.status,
-            reason=response.reason or "",
-            headers=_headers(response),
-            body=body,
-            framing=framing,
-            peer_certificate_sha256=peer,
-            http_version=f"HTTP/{response.version.major}.{response.version.minor}" if response.version else "HTTP/1.1",
+            status=reading.status,
+            reason=reading.reason.decode("latin-1"),
+            headers=headers,
+            body=b"".join(reading.chunks),
+            framing=framing_of(request.method, reading.status, headers),
+            peer_certificate_sha256=conn.peer_certificate,
+            http_version=f"HTTP/{conn.parser.get_http_version()}",
         )
 
+    # -- connections --------------------------------------------------------------------------
 
-def _headers(response: aiohttp.ClientResponse) -> list[tuple[str, str]]:
-    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.raw_headers]
+    async def _connect(self, request: UpstreamRequest, progress: _Progress) -> _Connection:
+        loop = asyncio.get_running_loop()
+        progress.stage = "dns"
+        addresses = await self._resolve(request.host, request.port)
+        progress.stage = "tcp_connect"
+        async with asyncio.timeout(request.connect_timeout):
+            sock = await _connect_socket(loop, addresses)
+            try:
+                tls = request.scheme == "https"
+                if tls:
+                    progress.stage = "tls_handshake"
+                _, conn = await loop.create_connection(
+                    _Connection, sock=sock, ssl=self._tls if tls else None,
+                    server_hostname=request.host if tls else None,
+                )
+            except BaseException:
+                sock.close()
+                raise
+        ssl_object = conn.transport.get_extra_info("ssl_object") if conn.transport is not None else None
+        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+        conn.peer_certificate = "sha256:" + hashlib.sha256(der).hexdigest() if der else None
+        self._open.add(conn)
+        return conn
 
+    async def _resolve(self, host: str, port: int) -> list[tuple[Any, ...]]:
+        pinned = self._pins.get((host.lower(), port))
+        if pinned is not None:
+            host, port = pinned
+        host = host.strip("[]")
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            pass
+        else:
+            family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+            return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (host, port))]
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(self._dns_timeout):
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+        if not infos:
+            raise socket.gaierror(socket.EAI_NONAME, f"no address for {host}")
+        return infos
 
-async def _read_body(response: aiohttp.ClientResponse, limit: int, observer: ExchangeObserver) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in response.content.iter_any():
-        size += len(chunk)
-        if size > limit:
-            raise ResponseTooLarge()
-        if not chunks:
-            await observer.body_started()
-        chunks.append(chunk)
-    # iter_any ends quietly at EOF; a framing error surfaces as an exception from the parser.
-    if response.content.exception() is not None:
-        raise response.content.exception()  # type: ignore[misc]
-    return b"".join(chunks)
-
-
-def _peer_certificate(response: aiohttp.ClientResponse) -> str | None:
-    """The verified peer's certificate, bound to the record.
-
-    A small response is complete (and its connection back in the pool) by the time the request
-    returns, so ``response.connection`` is often None; the protocol object stays attached to the
-    transport. Relying on ``_protocol`` is pinned by the end-to-end TLS tests.
-    """
-    connection = response.connection
-    protocol = connection.protocol if connection is not None else getattr(response, "_protocol", None)
-    transport = getattr(protocol, "transport", None)
-    ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
-    if ssl_object is None:
+    def _take(self, key: tuple[str, str, int]) -> _Connection | None:
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()  # the most recently used: the likeliest to be alive
+            if conn.idle_and_open and now - conn.idle_since < KEEPALIVE_SECONDS:
+                return conn
+            self._forget(conn)
         return None
-    der = ssl_object.getpeercert(binary_form=True)
-    return "sha256:" + hashlib.sha256(der).hexdigest() if der else None
+
+    def _give_back(self, key: tuple[str, str, int], conn: _Connection) -> None:
+        if not conn.idle_and_open:
+            self._forget(conn)
+            return
+        conn.idle_since = time.monotonic()
+        self._idle.setdefault(key, []).append(conn)
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().call_later(KEEPALIVE_SECONDS, self._sweep)
+
+    def _forget(self, conn: _Connection) -> None:
+        conn.close()
+        self._open.discard(conn)
+
+    def _sweep(self) -> None:
+        """Close connections idle past the keep-alive time (those the upstream closed are gone
+        already: their protocol saw the close)."""
+        self._sweeper = None
+        now = time.monotonic()
+        for key, idle in list(self._idle.items()):
+            keep = [c for c in idle if c.idle_and_open and now - c.idle_since < KEEPALIVE_SECONDS]
+            for conn in idle:
+                if conn not in keep:
+                    self._forget(conn)
+            if keep:
+                self._idle[key] = keep
+            else:
+                del self._idle[key]
+        self._open = {c for c in self._open if not c.lost}
+        if self._idle:
+            self._sweeper = asyncio.get_running_loop().call_later(KEEPALIVE_SECONDS / 2, self._sweep)
+
+
+async def _connect_socket(loop: asyncio.AbstractEventLoop, addresses: list[tuple[Any, ...]]) -> socket.socket:
+    """A connected socket to the first address that accepts; the last address's error if none."""
+    error: BaseException | None = None
+    for family, kind, proto, _, address in addresses:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, address)
+            return sock
+        except BaseException as exc:
+            sock.close()
+            if not isinstance(exc, OSError):
+                raise
+            error = exc
+    assert error is not None
+    raise error

@@ -7,8 +7,6 @@ client got (envelope or response), and what the upstream actually received and a
 
 from __future__ import annotations
 
-import asyncio
-import socket
 import time
 from typing import Any, Iterator
 
@@ -344,36 +342,3 @@ def test_every_proxied_response_carries_the_invocation_id(broker, upstream):
             response = client.get(H + path)
             assert response.headers["affidavit-invocation-id"].startswith("act_")
             assert response.headers["affidavit-outcome"] in ("committed", "rejected")
-
-
-def test_a_new_connection_moves_to_the_tls_stage_only_once_tcp_is_up():
-    """The socket the broker opens upstream: accepted -> tls_handshake (for https); refused or
-    plain http -> the stage stays tcp_connect. Real loopback sockets through asyncio."""
-    from proxy.upstream import _open_socket, _OPENING, _Progress
-
-    async def stage_after_connect(port: int, tls: bool) -> str:
-        progress = _Progress(observer=None, body_length=0, tls=tls, stage="tcp_connect")  # type: ignore[arg-type]
-        token = _OPENING.set(progress)
-        try:
-            sock = _open_socket((socket.AF_INET, socket.SOCK_STREAM, 0, "", ("127.0.0.1", port)))
-        finally:
-            _OPENING.reset(token)
-        sock.setblocking(False)
-        try:
-            await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port)), 5)
-        except ConnectionRefusedError:
-            pass
-        finally:
-            sock.close()
-        return progress.stage
-
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        open_port = listener.getsockname()[1]
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            closed_port = probe.getsockname()[1]  # bound, not listening: refused
-            assert asyncio.run(stage_after_connect(open_port, tls=True)) == "tls_handshake"
-            assert asyncio.run(stage_after_connect(open_port, tls=False)) == "tcp_connect"
-            assert asyncio.run(stage_after_connect(closed_port, tls=True)) == "tcp_connect"

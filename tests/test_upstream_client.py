@@ -1,0 +1,348 @@
+"""The broker's upstream client on its own: real loopback sockets, scripted servers, no broker.
+
+What matters here is the dispatch boundary (no byte before ``dispatch`` returns, nothing after a
+refusal), where each failure is placed (setup or exchange), and which connections are reused.
+The end-to-end behaviour through mitmproxy and the journal is in test_broker_e2e.py and
+test_hostile_contract.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any, Awaitable, Callable
+
+import pytest
+
+from proxy.contract import Code
+from proxy.upstream import DispatchRefused, ExchangeFailed, SetupFailed, Upstream, UpstreamRequest
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Server"], Awaitable[None]]
+
+
+class Server:
+    """A loopback server whose every connection runs ``handler``; it counts connections and
+    keeps every byte it read, in order."""
+
+    def __init__(self, handler: Handler):
+        self.handler = handler
+        self.connections = 0
+        self.received = bytearray()
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> "Server":
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *_: Any) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.handler(reader, writer, self)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def read_request(self, reader: asyncio.StreamReader) -> bytes:
+        head = await reader.readuntil(b"\r\n\r\n")
+        self.received += head
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0)
+        body = await reader.readexactly(length)
+        self.received += body
+        return head + body
+
+
+async def answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server, response: bytes = OK) -> None:
+    while True:
+        await server.read_request(reader)
+        writer.write(response)
+        await writer.drain()
+
+
+class Observer:
+    """Records what the client tells; ``on_dispatch`` runs inside the boundary."""
+
+    def __init__(self, on_dispatch: Callable[[], Awaitable[None]] | None = None):
+        self.on_dispatch = on_dispatch
+        self.calls: list[tuple[str, Any]] = []
+
+    async def dispatch(self, attempt: int, connection: str) -> None:
+        self.calls.append(("dispatch", connection))
+        if self.on_dispatch is not None:
+            await self.on_dispatch()
+
+    async def request_sent(self) -> None:
+        self.calls.append(("request_sent", None))
+
+    async def response_started(self, status: int) -> None:
+        self.calls.append(("response_started", status))
+
+    async def body_started(self) -> None:
+        self.calls.append(("body_started", None))
+
+
+def request(port: int, method: str = "POST", body: bytes = b"{}", headers: list[tuple[str, str]] | None = None, **kw: Any) -> UpstreamRequest:
+    return UpstreamRequest(method=method, scheme=kw.pop("scheme", "http"), host="127.0.0.1", port=port, target="/x",
+                           headers=headers or [("Content-Type", "application/json")], body=body, **kw)
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+def test_no_request_byte_reaches_the_upstream_before_dispatch_returns():
+    async def main() -> None:
+        async with Server(answer_each) as server:
+            upstream = Upstream()
+            seen_at_boundary: list[int] = []
+
+            async def boundary() -> None:
+                await asyncio.sleep(0.2)  # a slow commit: the upstream must still have nothing
+                seen_at_boundary.append(len(server.received))
+
+            try:
+                for _ in range(2):
+                    observer = Observer(boundary)
+                    response = await upstream.exchange(request(server.port), observer)
+                    assert response.status == 200 and response.body == b"ok" and response.framing == "content-length"
+            finally:
+                await upstream.close()
+            assert seen_at_boundary == [0, len(server.received) // 2]
+            assert server.connections == 1, "the second exchange reuses the first connection"
+            assert observer.calls == [("dispatch", "reused"), ("request_sent", None), ("response_started", 200), ("body_started", None)]
+
+    run(main())
+
+
+def test_a_refused_dispatch_writes_nothing_and_the_connection_serves_the_next_request():
+    async def main() -> None:
+        async with Server(answer_each) as server:
+            upstream = Upstream()
+
+            async def refuse() -> None:
+                raise DispatchRefused(Code.JOURNAL_UNAVAILABLE, "journal down")
+
+            try:
+                with pytest.raises(DispatchRefused):
+                    await upstream.exchange(request(server.port), Observer(refuse))
+                await asyncio.sleep(0.1)
+                assert server.received == b"" and server.connections == 1
+                observer = Observer()
+                await upstream.exchange(request(server.port), observer)
+                assert observer.calls[0] == ("dispatch", "reused") and server.received.startswith(b"POST /x HTTP/1.1\r\n")
+            finally:
+                await upstream.close()
+
+    run(main())
+
+
+def test_a_header_that_would_split_the_request_fails_setup_before_any_connection():
+    async def main() -> None:
+        async with Server(answer_each) as server:
+            upstream = Upstream()
+            observer = Observer()
+            try:
+                with pytest.raises(SetupFailed) as failed:
+                    await upstream.exchange(request(server.port, headers=[("X-Key", "abc\r\nX-Evil: 1")]), observer)
+            finally:
+                await upstream.close()
+            assert failed.value.stage == "request" and failed.value.code is Code.CONNECT_FAILED
+            assert observer.calls == [] and server.connections == 0
+
+    run(main())
+
+
+def test_the_request_as_written_upstream():
+    async def main() -> None:
+        async with Server(answer_each) as server:
+            upstream = Upstream()
+            try:
+                await upstream.exchange(request(server.port, body=b'{"a":1}', headers=[
+                    ("Content-Type", "application/json"), ("Connection", "close"), ("Host", "forged"),
+                    ("Content-Length", "999"), ("Proxy-Authorization", "Basic secret"), ("X-Two", "1"), ("X-Two", "2"),
+                ]), Observer())
+                await upstream.exchange(request(server.port, method="GET", body=b""), Observer())
+            finally:
+                await upstream.close()
+            first, second = bytes(server.received).split(b"}", 1)
+            assert first + b"}" == (
+                b"POST /x HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\nX-Two: 1\r\nX-Two: 2\r\n"
+                b"Content-Length: 7\r\n\r\n{\"a\":1}" % server.port
+            )
+            assert second == b"GET /x HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n\r\n" % server.port
+
+    run(main())
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_setup_failures_name_their_stage(tls: bool):
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
+        await asyncio.sleep(5)  # accepts, never speaks (no TLS handshake either)
+
+    async def main() -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))  # bound, not listening: refused
+            closed = probe.getsockname()[1]
+            upstream = Upstream()
+            observer = Observer()
+            try:
+                with pytest.raises(SetupFailed) as refused:
+                    await upstream.exchange(request(closed, scheme="https" if tls else "http"), observer)
+                assert (refused.value.stage, refused.value.code) == ("tcp_connect", Code.CONNECT_REFUSED)
+                if tls:
+                    async with Server(silent) as server:
+                        with pytest.raises(SetupFailed) as stalled:
+                            await upstream.exchange(request(server.port, scheme="https", connect_timeout=0.3), observer)
+                    assert (stalled.value.stage, stalled.value.code) == ("tls_handshake", Code.CONNECT_TIMEOUT)
+            finally:
+                await upstream.close()
+            assert observer.calls == []
+
+    run(main())
+
+
+async def _one(handler: Handler, method: str = "POST", limit: int = 1024) -> tuple[Any, Observer, Server]:
+    async with Server(handler) as server:
+        upstream = Upstream()
+        observer = Observer()
+        try:
+            return await upstream.exchange(request(server.port, method=method, max_response_body=limit), observer), observer, server
+        except (ExchangeFailed, SetupFailed) as exc:
+            return exc, observer, server
+        finally:
+            await upstream.close()
+
+
+def _replying(response: bytes, then_close: bool = True) -> Handler:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(response)
+        await writer.drain()
+        if not then_close:
+            await asyncio.sleep(5)
+
+    return handler
+
+
+def test_a_close_delimited_body_is_complete_at_a_clean_close():
+    response, _, _ = run(_one(_replying(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it")))
+    assert response.body == b"all of it" and response.framing == "close"
+
+
+def test_a_short_body_is_incomplete_and_no_answer_is_unknown():
+    short, observer, _ = run(_one(_replying(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")))
+    assert isinstance(short, ExchangeFailed) and short.code is Code.REMOTE_RESULT_INCOMPLETE
+    assert short.headers_received and short.request_complete
+    assert ("response_started", 200) in observer.calls
+    chunked, _, _ = run(_one(_replying(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nabc")))
+    assert isinstance(chunked, ExchangeFailed) and chunked.code is Code.REMOTE_RESULT_INCOMPLETE
+    silent, observer, _ = run(_one(_replying(b"")))
+    assert isinstance(silent, ExchangeFailed) and silent.code is Code.REMOTE_OUTCOME_UNKNOWN
+    assert silent.request_complete and not silent.headers_received
+    assert [c[0] for c in observer.calls] == ["dispatch", "request_sent"]
+    garbage, _, _ = run(_one(_replying(b"NOT HTTP AT ALL\r\n\r\n")))
+    assert isinstance(garbage, ExchangeFailed) and garbage.code is Code.REMOTE_OUTCOME_UNKNOWN
+
+
+def test_interim_responses_are_skipped():
+    final, _, _ = run(_one(_replying(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" + OK, then_close=False)))
+    assert (final.status, final.body, final.headers) == (200, b"ok", [("Content-Length", "2")])
+
+
+def test_a_head_response_has_no_body_and_its_connection_is_not_reused():
+    """llhttp would read the next response as the body a HEAD response announced."""
+
+    async def head_then_get(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
+        while True:
+            is_head = (await server.read_request(reader)).startswith(b"HEAD ")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\n" if is_head else OK)
+            await writer.drain()
+
+    async def main() -> None:
+        async with Server(head_then_get) as server:
+            upstream = Upstream()
+            try:
+                head = await upstream.exchange(request(server.port, method="HEAD", body=b""), Observer())
+                get = await upstream.exchange(request(server.port, method="GET", body=b""), Observer())
+            finally:
+                await upstream.close()
+            assert (head.status, head.body, head.framing) == (200, b"", "none")
+            assert (get.status, get.body) == (200, b"ok") and server.connections == 2
+
+    run(main())
+
+
+def test_a_body_over_the_limit_is_result_too_large():
+    big, _, _ = run(_one(_replying(b"HTTP/1.1 200 OK\r\nContent-Length: 2000\r\n\r\n" + b"x" * 2000), limit=1000))
+    assert isinstance(big, ExchangeFailed) and big.code is Code.RESULT_TOO_LARGE and big.headers_received
+
+
+@pytest.mark.parametrize("after", [b"", b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n"], ids=["close", "unsolicited"])
+def test_a_pooled_connection_the_upstream_gave_up_is_not_reused(after: bytes):
+    """The upstream closes an idle keep-alive connection (or says 408 on it first): the next
+    request goes on a new connection, rather than onto one whose write would be lost."""
+
+    async def once_then_give_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(after)
+        await writer.drain()
+        if after:
+            await asyncio.sleep(5)
+
+    async def main() -> None:
+        async with Server(once_then_give_up) as server:
+            upstream = Upstream()
+            try:
+                await upstream.exchange(request(server.port), Observer())
+                await asyncio.sleep(0.3)
+                observer = Observer()
+                response = await upstream.exchange(request(server.port), observer)
+            finally:
+                await upstream.close()
+            assert response.status == 200 and observer.calls[0] == ("dispatch", "new") and server.connections == 2
+
+    run(main())
+
+
+def test_a_connection_closing_response_is_not_reused():
+    async def main() -> None:
+        async with Server(lambda r, w, s: answer_each(r, w, s, b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok")) as server:
+            upstream = Upstream()
+            try:
+                for _ in range(2):
+                    observer = Observer()
+                    await upstream.exchange(request(server.port), observer)
+                    assert observer.calls[0] == ("dispatch", "new")
+            finally:
+                await upstream.close()
+            assert server.connections == 2
+
+    run(main())
+
+
+def test_a_close_delimited_body_cut_by_the_broker_itself_is_not_complete():
+    """At shutdown the broker closes its connections; the end of the connection is then no
+    evidence that a close-delimited body was whole."""
+
+    async def main() -> None:
+        async with Server(_replying(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nthe first half", then_close=False)) as server:
+            upstream = Upstream()
+            exchange = asyncio.ensure_future(upstream.exchange(request(server.port), Observer()))
+            await asyncio.sleep(0.3)
+            await upstream.close()
+            with pytest.raises(ExchangeFailed) as cut:
+                await exchange
+            assert cut.value.code is Code.REMOTE_RESULT_INCOMPLETE and cut.value.headers_received
+
+    run(main())
