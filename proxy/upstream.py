@@ -55,6 +55,10 @@ _NOT_YET_VALID = {9}
 _HOSTNAME = {62}  # HOSTNAME_MISMATCH
 _UNTRUSTED = {18, 19, 20, 21, 2, 24, 27, 28}  # self-signed, unknown issuer, untrusted, rejected
 
+#: A response head (status line and headers, interim responses included) larger than this is
+#: refused as broken.
+MAX_RESPONSE_HEAD = 64 * 1024
+
 #: An idle pooled connection older than this is closed rather than reused.
 KEEPALIVE_SECONDS = 30.0
 
@@ -209,7 +213,7 @@ def diagnostic(exc: BaseException) -> str:
 class _Reading:
     """One response being read: what the connection's parser callbacks fill in."""
 
-    __slots__ = ("method", "limit", "status", "reason", "headers", "chunks", "size", "head", "done", "first_body")
+    __slots__ = ("method", "limit", "status", "reason", "headers", "chunks", "size", "head_bytes", "head", "done", "first_body")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, method: str, limit: int):
         self.method = method
@@ -219,6 +223,7 @@ class _Reading:
         self.headers: list[tuple[bytes, bytes]] = []
         self.chunks: list[bytes] = []
         self.size = 0
+        self.head_bytes = 0
         self.head: asyncio.Future[None] = loop.create_future()
         self.done: asyncio.Future[None] = loop.create_future()
         #: Resolved by the first body byte or the end of the response, whichever comes first.
@@ -259,9 +264,14 @@ class _Connection(asyncio.Protocol):
         if reading is None or reading.done.done():
             self._broken(None)  # bytes nobody asked for: the connection cannot be trusted again
             return
+        if not reading.head.done():
+            reading.head_bytes += len(data)
+            if reading.head_bytes > MAX_RESPONSE_HEAD:
+                self._broken(ResponseBroken(f"the upstream's response head exceeds {MAX_RESPONSE_HEAD} bytes"))
+                return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._broken(ResponseBroken(f"the upstream's response is not valid HTTP/1.1: {exc}"))
             return
         if reading.size > reading.limit:
@@ -275,6 +285,14 @@ class _Connection(asyncio.Protocol):
         self._ended(exc)
 
     # -- httptools callbacks ----------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        reading = self.reading
+        if reading is not None and reading.status >= 200:
+            # A second response after the final one, in the same bytes: nobody asked for it.
+            # Stop the parser here so it cannot touch the recorded response, and retire the
+            # connection (raised errors end feed_data as HttpParserCallbackError).
+            raise ResponseBroken("the upstream sent a response nobody asked for")
 
     def on_status(self, reason: bytes) -> None:
         assert self.reading is not None

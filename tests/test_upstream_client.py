@@ -346,3 +346,38 @@ def test_a_close_delimited_body_cut_by_the_broker_itself_is_not_complete():
             assert cut.value.code is Code.REMOTE_RESULT_INCOMPLETE and cut.value.headers_received
 
     run(main())
+
+
+@pytest.mark.parametrize("stray", [b"HTTP/1.1 500 Injected\r\nX-Evil: 1\r\nContent-Length: 0\r\n\r\n", b"HTTP/1.1 201 Cre"],
+                         ids=["whole", "partial"])
+def test_bytes_after_the_response_neither_change_it_nor_reach_the_next_request(stray: bytes):
+    """A second response in the same segment as the first must not be parsed into the recorded
+    one, and its connection must not carry the next request (whose answer it would corrupt)."""
+
+    answered: list[int] = []
+
+    async def reply_with_stray(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
+        while True:
+            await server.read_request(reader)
+            answered.append(1)
+            writer.write(OK + stray if len(answered) == 1 else b"HTTP/1.1 409 Conflict\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+
+    async def main() -> None:
+        async with Server(reply_with_stray) as server:
+            upstream = Upstream()
+            try:
+                first = await upstream.exchange(request(server.port), Observer())
+                await asyncio.sleep(0.1)
+                second = await upstream.exchange(request(server.port), Observer())
+            finally:
+                await upstream.close()
+            assert (first.status, first.reason, first.headers, first.body) == (200, "OK", [("Content-Length", "2")], b"ok")
+            assert second.status == 409 and server.connections == 2
+
+    run(main())
+
+
+def test_an_endless_response_head_is_broken_not_buffered():
+    huge, _, _ = run(_one(_replying(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 200_000 + b"\r\nContent-Length: 0\r\n\r\n")))
+    assert isinstance(huge, ExchangeFailed) and huge.code is Code.REMOTE_OUTCOME_UNKNOWN and "exceeds" in huge.diagnostic
