@@ -59,6 +59,9 @@ _UNTRUSTED = {18, 19, 20, 21, 2, 24, 27, 28}  # self-signed, unknown issuer, unt
 #: refused as broken.
 MAX_RESPONSE_HEAD = 64 * 1024
 
+#: Plaintext read from a TLS connection's buffer per call.
+TLS_READ_SIZE = 256 * 1024
+
 #: An idle pooled connection older than this is closed rather than reused.
 KEEPALIVE_SECONDS = 30.0
 
@@ -240,9 +243,15 @@ def _resolve(future: asyncio.Future[None], exc: BaseException | None = None) -> 
 
 
 class _Connection(asyncio.Protocol):
-    """One upstream connection: one request at a time, its response parsed as it arrives."""
+    """One upstream connection: one request at a time, its response parsed as it arrives.
 
-    def __init__(self) -> None:
+    TLS runs here too, through an :class:`ssl.SSLObject` on memory buffers rather than asyncio's
+    TLS transport, for one fact that transport hides: whether the upstream ended the TLS session
+    with ``close_notify`` or the TCP connection simply stopped. Only the first proves that a body
+    delimited by the connection's end is all there is; a bare TCP close may be anyone's cut.
+    """
+
+    def __init__(self, tls: ssl.SSLContext | None = None, server_hostname: str | None = None) -> None:
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.reading: _Reading | None = None
@@ -253,13 +262,46 @@ class _Connection(asyncio.Protocol):
         self.closed_here = False
         self.peer_certificate: str | None = None
         self.idle_since = 0.0
+        self._tls_in = self._tls_out = None
+        self.tls: ssl.SSLObject | None = None
+        if tls is not None:
+            self._tls_in, self._tls_out = ssl.MemoryBIO(), ssl.MemoryBIO()
+            self.tls = tls.wrap_bio(self._tls_in, self._tls_out, server_hostname=server_hostname)
+        #: Resolved when the TLS handshake succeeds (or fails); None for plain HTTP.
+        self.handshake: asyncio.Future[None] | None = None
+        self.secure = False
+        #: The upstream sent TLS close_notify: the session ended cleanly.
+        self.tls_closed = False
 
     # -- asyncio.Protocol -------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if self.tls is not None:
+            self.handshake = asyncio.get_running_loop().create_future()
+            self._shake()
 
     def data_received(self, data: bytes) -> None:
+        if self.tls is not None:
+            data = self._decrypt(data)
+            if data:
+                self._received(data)
+            if self.tls_closed:
+                self._ended(None)
+            return
+        self._received(data)
+
+    def eof_received(self) -> bool | None:
+        if self.tls is not None and not self.tls_closed:
+            self._ended(ConnectionResetError("the upstream closed the TCP connection without ending TLS (no close_notify)"))
+        else:
+            self._ended(None)
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._ended(exc)
+
+    def _received(self, data: bytes) -> None:
         reading = self.reading
         if reading is None or reading.done.done():
             self._broken(None)  # bytes nobody asked for: the connection cannot be trusted again
@@ -277,12 +319,55 @@ class _Connection(asyncio.Protocol):
         if reading.size > reading.limit:
             self._broken(ResponseTooLarge())
 
-    def eof_received(self) -> bool | None:
-        self._ended(None)
-        return None
+    # -- TLS ----------------------------------------------------------------------------------
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._ended(exc)
+    def _shake(self) -> None:
+        assert self.tls is not None and self.handshake is not None
+        try:
+            self.tls.do_handshake()
+        except ssl.SSLWantReadError:
+            self._flush()
+            return
+        except Exception as exc:  # a refused certificate, a protocol error
+            self._flush()  # the alert, so the upstream's logs say why
+            _resolve(self.handshake, exc)
+            self._broken(None)
+            return
+        self._flush()
+        self.secure = True
+        der = self.tls.getpeercert(binary_form=True)
+        self.peer_certificate = "sha256:" + hashlib.sha256(der).hexdigest() if der else None
+        _resolve(self.handshake)
+
+    def _decrypt(self, data: bytes) -> bytes:
+        """The plaintext in ``data`` (b"" while the handshake runs, or for TLS's own messages)."""
+        assert self.tls is not None and self._tls_in is not None
+        self._tls_in.write(data)
+        if not self.secure:
+            self._shake()
+            if not self.secure:
+                return b""
+        chunks = []
+        try:
+            while True:
+                chunk = self.tls.read(TLS_READ_SIZE)
+                if not chunk:
+                    self.tls_closed = True  # close_notify
+                    break
+                chunks.append(chunk)
+        except ssl.SSLWantReadError:
+            pass
+        except ssl.SSLError as exc:
+            self._broken(ResponseBroken(f"the upstream's TLS stream is broken: {exc}"))
+            return b""
+        self._flush()  # what TLS itself answers (a key update), if anything
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _flush(self) -> None:
+        assert self._tls_out is not None
+        pending = self._tls_out.read()
+        if pending and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(pending)
 
     # -- httptools callbacks ----------------------------------------------------------------
 
@@ -349,6 +434,8 @@ class _Connection(asyncio.Protocol):
         """The upstream closed (or the connection broke): the end of a close-delimited body, or
         the end of a response that was cut short."""
         self.lost = True
+        if self.handshake is not None and not self.handshake.done():
+            _resolve(self.handshake, exc or ConnectionResetError("the upstream closed the connection during the TLS handshake"))
         reading = self.reading
         if reading is None or reading.done.done():
             return
@@ -360,7 +447,8 @@ class _Connection(asyncio.Protocol):
             self._complete()
             return
         if reading.head.done():
-            self._fail(ResponseBroken("the connection closed before the response's framing said it would end"))
+            why = f" ({exc})" if exc is not None else ""
+            self._fail(ResponseBroken(f"the connection closed before the response's framing said it would end{why}"))
         else:
             self._fail(exc or ConnectionResetError("the upstream closed the connection without a response"))
 
@@ -384,13 +472,30 @@ class _Connection(asyncio.Protocol):
         if self.lost or self.transport.is_closing():
             self._fail(ConnectionResetError("the pooled connection closed before the request was written"))
             return
-        self.transport.write(data)
+        if self.tls is None:
+            self.transport.write(data)
+            return
+        try:
+            self.tls.write(data)
+        except ssl.SSLError as exc:  # only a renegotiation the upstream asked for, which TLS 1.3 has not
+            self._broken(exc)
+            return
+        self._flush()
 
     def close(self) -> None:
+        """Close now, a response in progress included; TLS says close_notify first (best effort:
+        nothing waits for the upstream's answer to it)."""
         self.reusable = False
         self.closed_here = True
-        if self.transport is not None:
-            self.transport.close()
+        if self.transport is None:
+            return
+        if self.tls is not None and self.secure and not self.transport.is_closing():
+            try:
+                self.tls.unwrap()
+            except ssl.SSLError:
+                pass  # SSLWantReadError: ours is written, the upstream's has not come
+            self._flush()
+        self.transport.close()
 
     @property
     def idle_and_open(self) -> bool:
@@ -534,21 +639,24 @@ class Upstream:
         addresses = await self._resolve(request.host, request.port)
         progress.stage = "tcp_connect"
         async with asyncio.timeout(request.connect_timeout):
-            sock = await _connect_socket(loop, addresses)
+            sock = await _connect_socket(loop, addresses, request.connect_timeout)
+            conn: _Connection | None = None
             try:
-                tls = request.scheme == "https"
-                if tls:
+                if request.scheme == "https":
                     progress.stage = "tls_handshake"
-                _, conn = await loop.create_connection(
-                    _Connection, sock=sock, ssl=self._tls if tls else None,
-                    server_hostname=request.host if tls else None,
-                )
+                    tls = self._tls
+                    hostname: str | None = request.host.strip("[]")
+                else:
+                    tls, hostname = None, None
+                _, conn = await loop.create_connection(lambda: _Connection(tls, hostname), sock=sock)
+                if conn.handshake is not None:
+                    await conn.handshake
             except BaseException:
-                sock.close()
+                if conn is not None and conn.transport is not None:
+                    conn.transport.abort()
+                else:
+                    sock.close()
                 raise
-        ssl_object = conn.transport.get_extra_info("ssl_object") if conn.transport is not None else None
-        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
-        conn.peer_certificate = "sha256:" + hashlib.sha256(der).hexdigest() if der else None
         self._open.add(conn)
         return conn
 
@@ -613,18 +721,23 @@ class Upstream:
             self._sweeper = asyncio.get_running_loop().call_later(KEEPALIVE_SECONDS / 2, self._sweep)
 
 
-async def _connect_socket(loop: asyncio.AbstractEventLoop, addresses: list[tuple[Any, ...]]) -> socket.socket:
-    """A connected socket to the first address that accepts; the last address's error if none."""
+async def _connect_socket(loop: asyncio.AbstractEventLoop, addresses: list[tuple[Any, ...]], timeout: float) -> socket.socket:
+    """A connected socket to the first address that accepts; the last address's error if none.
+
+    Each address gets an even share of the time left, so one that never answers (a blackholed
+    IPv6 route, say) leaves the next addresses time to be tried within ``timeout``."""
+    deadline = loop.time() + timeout
     error: BaseException | None = None
-    for family, kind, proto, _, address in addresses:
+    for i, (family, kind, proto, _, address) in enumerate(addresses):
         sock = socket.socket(family, kind, proto)
         try:
             sock.setblocking(False)
-            await loop.sock_connect(sock, address)
+            async with asyncio.timeout((deadline - loop.time()) / (len(addresses) - i)):
+                await loop.sock_connect(sock, address)
             return sock
         except BaseException as exc:
             sock.close()
-            if not isinstance(exc, OSError):
+            if not isinstance(exc, OSError):  # TimeoutError is one
                 raise
             error = exc
     assert error is not None

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
+import time
 from typing import Any, Awaitable, Callable
 
 import pytest
 
 from proxy.contract import Code
-from proxy.upstream import DispatchRefused, ExchangeFailed, SetupFailed, Upstream, UpstreamRequest
+from proxy.upstream import DispatchRefused, ExchangeFailed, SetupFailed, Upstream, UpstreamRequest, _connect_socket
+from tests.support.certs import TestPKI
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
@@ -26,15 +29,16 @@ class Server:
     """A loopback server whose every connection runs ``handler``; it counts connections and
     keeps every byte it read, in order."""
 
-    def __init__(self, handler: Handler):
+    def __init__(self, handler: Handler, tls: ssl.SSLContext | None = None):
         self.handler = handler
+        self.tls = tls
         self.connections = 0
         self.received = bytearray()
         self.port = 0
         self._server: asyncio.Server | None = None
 
     async def __aenter__(self) -> "Server":
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.tls)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -381,3 +385,118 @@ def test_bytes_after_the_response_neither_change_it_nor_reach_the_next_request(s
 def test_an_endless_response_head_is_broken_not_buffered():
     huge, _, _ = run(_one(_replying(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 200_000 + b"\r\nContent-Length: 0\r\n\r\n")))
     assert isinstance(huge, ExchangeFailed) and huge.code is Code.REMOTE_OUTCOME_UNKNOWN and "exceeds" in huge.diagnostic
+
+
+# -- TLS ------------------------------------------------------------------------------------------
+
+
+def _tls_replying(response: bytes, end: str) -> Handler:
+    """Answer every request with ``response``; after the first, end the connection: ``keep`` (do
+    not), ``close_notify`` (a clean TLS close, then FIN) or ``cut`` (a TCP FIN and no
+    close_notify: what a truncating middlebox would send)."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
+        while True:
+            await server.read_request(reader)
+            writer.write(response)
+            await writer.drain()
+            if end == "cut":
+                await asyncio.sleep(0.05)  # the response's records are on the wire first
+                writer.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
+                writer.transport.abort()
+                return
+            if end == "close_notify":
+                return  # Server closes the writer: close_notify, then FIN
+
+    return handler
+
+
+async def _tls_exchanges(pki: TestPKI, handler: Handler, count: int = 1) -> tuple[list[Any], Server]:
+    async with Server(handler, pki.server_context("good")) as server:
+        upstream = Upstream(ca_bundle=pki.ca_cert)
+        results: list[Any] = []
+        try:
+            for _ in range(count):
+                try:
+                    results.append(await upstream.exchange(request(server.port, scheme="https"), Observer()))
+                except ExchangeFailed as exc:
+                    results.append(exc)
+                await asyncio.sleep(0.1)  # session tickets and closes arrive while the connection idles
+        finally:
+            await upstream.close()
+        return results, server
+
+
+CLOSE_DELIMITED = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it"
+
+
+def test_tls_connections_are_verified_and_reused(pki: TestPKI):
+    (first, second), server = run(_tls_exchanges(pki, _tls_replying(OK, "keep"), count=2))
+    assert first.body == second.body == b"ok" and first.peer_certificate_sha256.startswith("sha256:")
+    assert server.connections == 1, "the TLS connection (and its session tickets) kept for the next request"
+
+
+def test_a_close_delimited_tls_body_is_complete_only_after_close_notify(pki: TestPKI):
+    (clean,), _ = run(_tls_exchanges(pki, _tls_replying(CLOSE_DELIMITED, "close_notify")))
+    assert clean.body == b"all of it" and clean.framing == "close"
+    (cut,), _ = run(_tls_exchanges(pki, _tls_replying(CLOSE_DELIMITED, "cut")))
+    assert isinstance(cut, ExchangeFailed) and cut.code is Code.REMOTE_RESULT_INCOMPLETE, cut
+    assert "close_notify" in cut.diagnostic
+
+
+def test_a_framed_tls_response_stands_whatever_follows_it(pki: TestPKI):
+    """The cut only matters where the close is the framing: a Content-Length body that arrived
+    whole is complete, and a connection that ended without close_notify is simply not reused."""
+    (first, second), server = run(_tls_exchanges(pki, _tls_replying(OK, "cut"), count=2))
+    assert first.body == second.body == b"ok" and server.connections == 2
+
+
+def test_closing_the_client_ends_an_exchange_in_flight_at_once(pki: TestPKI):
+    """Shutdown must not wait for an upstream's TLS goodbye (asyncio's TLS transport waits up to
+    30 s for it); the exchange in flight ends, as incomplete, right away."""
+
+    async def hung(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(CLOSE_DELIMITED)
+        await writer.drain()
+        writer.transport.pause_reading()  # a hung upstream: it will not answer a close_notify
+        await asyncio.sleep(5)
+
+    async def main() -> None:
+        async with Server(hung, pki.server_context("good")) as server:
+            upstream = Upstream(ca_bundle=pki.ca_cert)
+            exchange = asyncio.ensure_future(upstream.exchange(request(server.port, scheme="https"), Observer()))
+            await asyncio.sleep(0.3)
+            started = time.monotonic()
+            await upstream.close()
+            with pytest.raises(ExchangeFailed) as cut:
+                await asyncio.wait_for(exchange, 2)
+            assert cut.value.code is Code.REMOTE_RESULT_INCOMPLETE and time.monotonic() - started < 1
+
+    run(main())
+
+
+def test_an_address_that_never_answers_leaves_time_for_the_next():
+    """A name with two addresses, the first silently dropping SYNs (a listener whose backlog is
+    full): the second is tried within the same connect timeout."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        with socket.socket() as full, socket.socket() as filler, socket.socket() as good:
+            full.bind(("127.0.0.1", 0))
+            full.listen(0)
+            filler.connect(full.getsockname())  # the one place in the backlog; the next SYN waits
+            good.bind(("127.0.0.1", 0))
+            good.listen(1)
+            addresses = [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", a) for a in (full.getsockname(), good.getsockname())]
+            started = time.monotonic()
+            sock = await asyncio.wait_for(_connect_socket(loop, addresses, 2.0), 5)
+            took = time.monotonic() - started
+            with sock:
+                assert sock.getpeername() == good.getsockname()
+            assert 0.9 < took < 1.5, took  # half of the timeout on the first address, then the second
+
+            with pytest.raises(TimeoutError):
+                await _connect_socket(loop, addresses[:1], 0.3)
+
+    run(main())

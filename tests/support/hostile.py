@@ -145,14 +145,18 @@ class _Conn:
         self.writer.write(data)
         await self.writer.drain()
 
-    def close(self, rst: bool = False) -> None:
-        """Close (FIN, after TLS close_notify); with ``rst`` reset at once (SO_LINGER 0, abort)."""
-        if not rst:
+    def close(self, rst: bool = False, cut: bool = False) -> None:
+        """Close (FIN, after TLS close_notify); with ``rst`` reset at once (SO_LINGER 0, abort);
+        with ``cut`` a FIN with no TLS close_notify before it (what a truncating middlebox sends)."""
+        if not rst and not cut:
             self.writer.close()
             return
         sock = self.writer.get_extra_info("socket")
         if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            if rst:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            else:
+                sock.shutdown(socket.SHUT_RDWR)  # the FIN goes out before TLS can add anything
         self.writer.transport.abort()
 
 
@@ -481,7 +485,7 @@ class HostileUpstream:
         entry.response_status = status
         if data:
             await conn.send(data)
-        conn.close(rst=_flag(q, "rst"))
+        conn.close(rst=_flag(q, "rst"), cut=_flag(q, "cut"))
         return False
 
     async def _idempotent(self, conn: _Conn, entry: Received, q: dict[str, str], strict: bool) -> bool:
