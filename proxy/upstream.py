@@ -174,8 +174,11 @@ def framing_of(method: str, status: int, headers: list[tuple[str, str]]) -> str:
     if method == "HEAD" or status in (204, 304):
         return "none"
     names = {k.lower(): v for k, v in headers}
-    if "chunked" in names.get("transfer-encoding", "").lower():
-        return "chunked"
+    if "transfer-encoding" in names:
+        # RFC 9112 section 6.3: chunked only when it is the last coding; any other
+        # Transfer-Encoding (which overrides Content-Length) leaves the close as the framing.
+        codings = [c.strip().lower() for c in names["transfer-encoding"].split(",")]
+        return "chunked" if codings[-1] == "chunked" else "close"
     if "content-length" in names:
         return "content-length"
     return "close"
@@ -272,11 +275,16 @@ class _Connection(asyncio.Protocol):
         self.secure = False
         #: The upstream sent TLS close_notify: the session ended cleanly.
         self.tls_closed = False
+        #: Pending while the transport holds bytes the socket has not taken (see pause_writing).
+        self.drained: asyncio.Future[None] | None = None
 
     # -- asyncio.Protocol -------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        # Told the moment the transport buffers anything, and the moment its buffer is empty
+        # again: a request is complete when the socket has taken its last byte.
+        self.transport.set_write_buffer_limits(high=0)
         if self.tls is not None:
             self.handshake = asyncio.get_running_loop().create_future()
             self._shake()
@@ -300,6 +308,13 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._ended(exc)
+
+    def pause_writing(self) -> None:
+        self.drained = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self.drained is not None:
+            _resolve(self.drained)
 
     def _received(self, data: bytes) -> None:
         reading = self.reading
@@ -509,9 +524,7 @@ def _text(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
 @dataclass(slots=True)
 class _Progress:
     stage: str = "dns"
-    dispatched: bool = False
     request_complete: bool = False
-    headers_received: bool = False
 
 
 class Upstream:
@@ -565,7 +578,6 @@ class Upstream:
         except BaseException:
             self._give_back(key, conn)  # nothing was written on it
             raise
-        progress.dispatched = True
         progress.stage = "dispatched"
         reading = _Reading(asyncio.get_running_loop(), request.method, request.max_response_body)
         try:
@@ -582,9 +594,15 @@ class Upstream:
         observer: ExchangeObserver, progress: _Progress,
     ) -> UpstreamResponse:
         conn.send(data, reading)
-        if not reading.done.done():
-            # Handed to the transport whole (it buffers what the socket does not take yet);
-            # a connection that had closed before the write failed the reading instead.
+        drained = conn.drained
+        if drained is not None and not drained.done():
+            # The socket has not taken every byte yet (a large body, an upstream slow to read):
+            # the request is complete when it has, not when it was queued. An answer or a
+            # broken connection ends the wait too.
+            await asyncio.wait((drained, reading.head), return_when=asyncio.FIRST_COMPLETED)
+        if not reading.done.done() and (drained is None or drained.done()):
+            # Every byte is with the kernel; a connection that had closed before the write
+            # failed the reading instead.
             progress.request_complete = True
             await observer.request_sent()
         try:
@@ -596,7 +614,6 @@ class Upstream:
                 Code.REMOTE_OUTCOME_UNKNOWN, diagnostic(exc),
                 request_complete=progress.request_complete, headers_received=False,
             ) from None
-        progress.headers_received = True
         progress.request_complete = True  # an answer implies the request was taken
         try:
             await observer.response_started(reading.status)

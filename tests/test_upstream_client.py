@@ -500,3 +500,48 @@ def test_an_address_that_never_answers_leaves_time_for_the_next():
                 await _connect_socket(loop, addresses[:1], 0.3)
 
     run(main())
+
+
+def test_a_request_the_upstream_has_not_read_is_not_complete():
+    """``request_sent`` (REQUEST_SENT, ``evidence.request_complete``) means the socket took the
+    last byte, not that it was queued: an upstream that stops reading after the head leaves a
+    large body in the broker's buffer, and the evidence must say the request is not complete."""
+    body = b"x" * (48 * 1024 * 1024)  # more than loopback's socket buffers hold
+
+    async def read_head_then_stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
+        server.received += await reader.readuntil(b"\r\n\r\n")
+        writer.transport.pause_reading()
+        await asyncio.sleep(5)
+
+    async def main() -> None:
+        async with Server(read_head_then_stall) as server:
+            upstream = Upstream()
+            observer = Observer()
+            exchange = asyncio.ensure_future(upstream.exchange(request(server.port, body=body), observer))
+            try:
+                await asyncio.sleep(0.5)
+                assert [c for c, _ in observer.calls] == ["dispatch"], observer.calls
+            finally:
+                exchange.cancel()
+                await upstream.close()
+
+            async with Server(answer_each) as reading_server:
+                observer = Observer()
+                response = await upstream.exchange(request(reading_server.port, body=body), observer)
+                assert response.status == 200 and len(reading_server.received) > len(body)
+                assert [c for c, _ in observer.calls][:2] == ["dispatch", "request_sent"]
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("coding", "wire", "framing"),
+    [
+        (b"gzip, chunked", b"5\r\nhello\r\n0\r\n\r\n", "chunked"),
+        (b"chunked, gzip", b"hello", "close"),  # chunked not last: the close ends the body
+    ],
+)
+def test_the_framing_recorded_is_the_one_the_body_was_read_by(coding: bytes, wire: bytes, framing: str):
+    response, _, _ = run(_one(_replying(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: " + coding + b"\r\n\r\n" + wire)))
+    assert not isinstance(response, Exception), response
+    assert (response.body, response.framing) == (b"hello", framing)
