@@ -16,7 +16,7 @@ import hmac
 import logging
 import time
 from http import HTTPStatus
-from typing import Callable
+from typing import Any, Callable
 from mitmproxy import http
 from mitmproxy.connection import Client, ConnectionState
 
@@ -68,6 +68,72 @@ def auth_required() -> http.Response:
         "Nothing was sent and nothing was recorded.",
         [("Proxy-Authenticate", REALM)],
     )
+
+
+def install_core_refusals(body_limit: int) -> None:
+    """Make the two refusals mitmproxy sends itself, before any hook runs, envelopes like every
+    other: HTTP it cannot parse (400) and a body over its ``body_size_limit`` (413).
+
+    mitmproxy turns both into a ``ResponseProtocolError`` that each HTTP version renders as an
+    HTML page: HTTP/1 through ``_http1.make_error_response`` (a module function looked up at call
+    time, replaced here), HTTP/2 inside ``Http2Server._handle_event`` (wrapped here: the error
+    becomes the ordinary response events, which mitmproxy sends as it sends any response). Other
+    statuses keep mitmproxy's page; the broker never lets mitmproxy connect upstream, so they do
+    not arise. Neither refusal is recorded: the agent is not yet authenticated and nothing was read
+    that could be sent. mitmproxy's own text (which may quote the client's bytes) stays out of the
+    envelope. Pinned by tests/test_broker_e2e.py::test_requests_the_proxy_core_refuses_get_envelopes.
+    """
+    from mitmproxy.net.http.http1 import assemble_response
+    from mitmproxy.proxy.layers.http import ResponseData, ResponseEndOfMessage, ResponseHeaders, ResponseProtocolError
+    from mitmproxy.proxy.layers.http import _http1, _http2
+
+    def refusal(status: int) -> http.Response | None:
+        if status == 413:
+            response = _refusal(
+                413,
+                Code.PAYLOAD_LIMIT,
+                f"The request body is larger than any route accepts (the broker reads at most {body_limit} bytes); "
+                "it was refused before it was read. Nothing was sent upstream and nothing was recorded. "
+                "Send a smaller body.",
+            )
+        elif status == 400:
+            response = _refusal(
+                400,
+                Code.MALFORMED_REQUEST,
+                "The request is not valid HTTP (its request line, headers or framing could not be parsed), so the "
+                "broker could not read it. Nothing was sent upstream and nothing was recorded. Fix the client's request.",
+            )
+        else:
+            return None
+        log.info("the proxy core refused a request: %d %s", status, response.headers["Affidavit-Code"])
+        return response
+
+    make_error_response = getattr(_http1.make_error_response, "__wrapped__", _http1.make_error_response)
+
+    def http1_error_response(status_code: int, message: str = "") -> bytes:
+        response = refusal(status_code)
+        if response is None:
+            return make_error_response(status_code, message)
+        response.headers["Connection"] = "close"  # mitmproxy closes the connection after it
+        return assemble_response(response)
+
+    handle_event = getattr(_http2.Http2Server._handle_event, "__wrapped__", _http2.Http2Server._handle_event)
+
+    def http2_handle_event(self: _http2.Http2Server, event: Any) -> Any:
+        response = refusal(event.code) if isinstance(event, ResponseProtocolError) and self.is_open_for_us(event.stream_id) else None
+        if response is None:
+            return (yield from handle_event(self, event))
+        for answer in (
+            ResponseHeaders(event.stream_id, response, end_stream=False),
+            ResponseData(event.stream_id, response.content or b""),
+            ResponseEndOfMessage(event.stream_id),
+        ):
+            yield from handle_event(self, answer)
+
+    http1_error_response.__wrapped__ = make_error_response  # type: ignore[attr-defined]
+    http2_handle_event.__wrapped__ = handle_event  # type: ignore[attr-defined]
+    _http1.make_error_response = http1_error_response
+    _http2.Http2Server._handle_event = http2_handle_event  # type: ignore[method-assign]
 
 
 class AgentAuth:

@@ -21,7 +21,7 @@ from mitmproxy.master import Master
 from ulid import ULID
 
 from . import logs
-from .addon import AgentAuth, BrokerAddon
+from .addon import AgentAuth, BrokerAddon, install_core_refusals
 from .api import create_app
 from .broker import Broker
 from .config import ConfigError, Settings, parse_listen
@@ -169,6 +169,7 @@ async def serve(
     opts = options.Options(listen_host=listen_host, listen_port=listen_port, confdir=str(settings.proxy.confdir))
     ready = asyncio.Event()
     largest = max([int(r.max_body) for r in settings.routes if r.max_body is not None] + [int(settings.proxy.max_body)])
+    install_core_refusals(largest + 1024 * 1024)
     master = lean_master(
         opts, BrokerAddon(broker, AgentAuth(tokens), on_running=ready.set), body_size_limit=str(largest + 1024 * 1024)
     )

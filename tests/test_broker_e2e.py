@@ -272,3 +272,69 @@ def test_no_canary_secret_anywhere(broker: BrokerProcess, upstream: HostileUpstr
         for where, text in haystacks.items():
             assert value not in text, f"{name} leaked into {where}"
             assert encoded not in text, f"{name} (basic-encoded) leaked into {where}"
+
+
+def _through_tunnel(broker: BrokerProcess, request: bytes) -> bytes:
+    """``request`` inside a CONNECT tunnel to api.payments.test:443, TLS to the broker's CA; the
+    answer up to the connection's close (both refusals close it)."""
+    import ssl
+
+    auth = b"Proxy-Authorization: Basic " + base64.b64encode(f"builder:{broker.agents['builder'].token}".encode())
+    with socket.create_connection(("127.0.0.1", broker.proxy_port), timeout=10) as sock:
+        sock.sendall(b"CONNECT api.payments.test:443 HTTP/1.1\r\nHost: api.payments.test:443\r\n" + auth + b"\r\n\r\n")
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(4096)
+            assert chunk, head
+            head += chunk
+        assert head.startswith(b"HTTP/1.1 200"), head
+        context = ssl.create_default_context(cafile=str(broker.ca_path))
+        context.set_alpn_protocols(["http/1.1"])
+        with context.wrap_socket(sock, server_hostname="api.payments.test") as tls:
+            tls.sendall(request)
+            data = b""
+            while chunk := tls.recv(65536):
+                data += chunk
+    return data
+
+
+@pytest.mark.parametrize(
+    ("path", "request_bytes", "status", "code"),
+    [
+        ("plain", b"THIS IS NOT HTTP\r\n\r\n", 400, "MALFORMED_REQUEST"),
+        ("tunnel", b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nContent-Length: twelve\r\n\r\n", 400, "MALFORMED_REQUEST"),
+        # Past the largest max_body (10 MiB by default) plus 1 MiB: refused on its Content-Length,
+        # before a byte of the body is read.
+        ("tunnel", b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nContent-Length: 12582912\r\n\r\n", 413, "PAYLOAD_LIMIT"),
+    ],
+)
+def test_requests_the_proxy_core_refuses_get_envelopes(broker: BrokerProcess, upstream: HostileUpstream, path, request_bytes, status, code):
+    """mitmproxy answers these itself before any hook runs; the broker replaces its HTML page
+    with an envelope (a behaviour of mitmproxy pinned here: its HTTP/1 layer's error page)."""
+    if path == "plain":
+        answer = _raw(broker.proxy_port, request_bytes)
+    else:
+        answer = _through_tunnel(broker, request_bytes)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d" % status), answer[:300]
+    assert b"content-type: application/problem+json" in head.lower()
+    envelope = check_envelope(body)
+    SEEN.append(json.dumps(envelope))
+    assert envelope["invocation_id"] is None
+    assert (envelope["error"]["code"], envelope["error"]["outcome"], envelope["error"]["retry"]) == (code, "not_attempted", "after_correction")
+    assert b"mitmproxy" not in body.lower() and b"twelve" not in body and b"NOT HTTP" not in body
+    assert upstream.received == []
+
+
+@pytest.mark.parametrize("version", ["--http1.1", "--http2"])
+def test_an_oversized_body_gets_the_payload_limit_envelope_over_either_http_version(broker: BrokerProcess, upstream: HostileUpstream, version, tmp_path):
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * (12 * 1024 * 1024))
+    done = broker.curl("https://api.payments.test/h/ok", version, "--data-binary", f"@{big}")
+    assert done.returncode == 0, done.stderr
+    status, headers, body = split_curl(done.stdout)
+    assert status == 413 and headers["content-type"] == "application/problem+json", done.stdout[:500]
+    envelope = check_envelope(body)
+    SEEN.append(json.dumps(envelope))
+    assert envelope["error"]["code"] == "PAYLOAD_LIMIT" and envelope["invocation_id"] is None
+    assert upstream.received == []
