@@ -367,7 +367,7 @@ def test_a_writer_process_that_cannot_start_again_is_retried_with_growing_waits_
                 await journal.commit(_write(new_invocation_id()))
         assert time.monotonic() - started < 2.5 and _starts(starts) == 2, "no start per batch while waiting"
         await _until(lambda: _starts(starts) >= 3, seconds=15)  # the retry in the background, after 3 s
-        await _until(lambda: journal._sqlite_writer._failed_starts >= 2)
+        await _until(lambda: journal._sqlite_writer._backoffs >= 2)
         assert journal._sqlite_writer._retry_at - time.monotonic() > 3.0, "the wait doubled (6 s)"
         flag.unlink()
         await _until(lambda: journal.write_problem is None, seconds=30)
@@ -421,7 +421,7 @@ def test_a_writer_process_that_dies_on_every_batch_is_not_replaced_per_batch_for
         on_batch.unlink()
         await _until(lambda: journal.write_problem is None, seconds=30)
         await journal.commit(_write(after))
-        assert journal._sqlite_writer._batch_deaths == 0, "an answered batch ends the run of deaths"
+        assert journal._sqlite_writer._batch_deaths == journal._sqlite_writer._backoffs == 0, "an answered batch ends the run"
         assert await _stored_ids(journal) == sorted([before, after]), "the failed batches wrote nothing"
         await journal.close()
         await journal.engine.dispose()
@@ -430,6 +430,34 @@ def test_a_writer_process_that_dies_on_every_batch_is_not_replaced_per_batch_for
     backed_off = [r for r in caplog.records if "in a row ended while writing a batch" in r.getMessage()
                   and "trying again in" in r.getMessage()]
     assert [r.levelname for r in backed_off] == ["ERROR", "ERROR"], "the third and the fourth death, each once"
+
+
+def test_a_start_that_fails_after_deaths_on_batches_waits_longer_not_from_the_start(tmp_path, monkeypatch):
+    """Children that die on their batches, then one that cannot even start: one outage getting no
+    better, so the wait keeps doubling (3 s, then 6 s) instead of starting again at 3 s."""
+    flag, starts, url = _journal_with_crash_hook(tmp_path, monkeypatch)
+    on_batch = Path(str(flag) + ".batch")
+
+    async def scenario() -> None:
+        journal = Journal(make_engine(url), writer="w1")
+        await journal.start()
+        on_batch.touch()
+        for _ in range(3):
+            with pytest.raises(JournalUnavailable, match="ended without answering"):
+                await journal.commit(_write(new_invocation_id()))
+        writer = journal._sqlite_writer
+        assert writer.problem is not None and 2.0 < writer._retry_at - time.monotonic() <= 3.0
+        seen = _starts(starts)
+        flag.touch()  # the next child crashes at start
+        await _until(lambda: _starts(starts) > seen, seconds=15)
+        await _until(lambda: "did not start" in (writer.problem or ""))
+        assert writer._retry_at - time.monotonic() > 3.0, "the wait doubled (6 s)"
+        flag.unlink()
+        on_batch.unlink()
+        await journal.close()
+        await journal.engine.dispose()
+
+    asyncio.run(scenario())
 
 
 def test_writer_processes_that_hang_on_their_batches_count_as_dying_on_them(tmp_path, monkeypatch):

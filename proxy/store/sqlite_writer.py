@@ -55,7 +55,8 @@ _FRAME = struct.Struct(">I")
 #: How long a new child may take to import and say it is ready (a loaded machine: ~1.5 s).
 _START_TIMEOUT = 30.0
 #: After a start that failed, the next one waits this long, doubling per failure up to the second
-#: figure; batches meanwhile fail at once instead of each paying for a start that fails.
+#: figure; batches meanwhile fail at once instead of each paying for a start that fails. Failures
+#: of both kinds (a start, a run of deaths on batches) count together until a batch is answered.
 _RETRY_AFTER = (1.0, 30.0)
 #: A child that dies on this many batches in a row (none answered in between) is treated like one
 #: that cannot start: the journal reports it cannot write and waits before the next child, so a
@@ -81,8 +82,11 @@ class SqliteWriter:
         #: Why no writer process can run now (a start failed, or children keep dying on their
         #: batches; the next start is scheduled), else None.
         self.problem: str | None = None
-        self._failed_starts = 0
         self._batch_deaths = 0  # batches in a row the child died on, without an answer between
+        #: Back-offs since a batch was last answered: the next wait doubles with each, whichever
+        #: kind of failure caused it (a child that starts but dies on its batches, then one that
+        #: cannot start, is the same outage getting no better).
+        self._backoffs = 0
         self._retry_at = 0.0
         self._retry: asyncio.Task[None] | None = None
         self._relays: set[asyncio.Task[None]] = set()
@@ -113,19 +117,18 @@ class SqliteWriter:
             except BaseException as exc:
                 self._failed(exc)
                 raise
-            self.problem, self._failed_starts = None, 0
+            self.problem = None
 
     def _failed(self, exc: BaseException) -> None:
         if self._closed:  # a start cut short by close(): nothing to report or to try again
             return
-        self._failed_starts += 1
         if isinstance(exc, WriterGone):
             problem = str(exc)
         elif isinstance(exc, asyncio.CancelledError):
             problem = "the SQLite writer process did not start within the journal's timeout"
         else:
             problem = f"the SQLite writer process could not start: {str(exc) or type(exc).__name__}"
-        self._back_off(problem, self._failed_starts)
+        self._back_off(problem)
 
     def _died_on_batch(self, proc: asyncio.subprocess.Process) -> None:
         """The child took a batch and ended (or hung) without answering it."""
@@ -138,12 +141,12 @@ class SqliteWriter:
         self._back_off(
             f"{self._batch_deaths} SQLite writer processes in a row ended while writing a batch "
             f"(the last: pid {proc.pid}{status}; what they printed is logged as 'SQLite writer process (pid N): ...')",
-            self._batch_deaths - _DEATHS_IN_A_ROW + 1,
         )
 
-    def _back_off(self, problem: str, failures: int) -> None:
+    def _back_off(self, problem: str) -> None:
         """No writer process for now: say why, and try again after a wait that doubles per failure."""
-        delay = min(_RETRY_AFTER[0] * 2 ** (failures - 1), _RETRY_AFTER[1])
+        self._backoffs += 1
+        delay = min(_RETRY_AFTER[0] * 2 ** (self._backoffs - 1), _RETRY_AFTER[1])
         self._retry_at = time.monotonic() + delay
         self.problem = problem
         log.error("journal: %s; trying again in %.0f s", problem, delay)
@@ -212,7 +215,7 @@ class SqliteWriter:
             # Gone, or hung until the journal's timeout cancelled the wait (it was killed then).
             self._died_on_batch(proc)
             raise
-        self._batch_deaths = 0
+        self._batch_deaths = self._backoffs = 0
         if "error" in answer:
             error = sqlite3.IntegrityError if answer["error"] == "integrity" else sqlite3.OperationalError
             raise error(answer["message"])
