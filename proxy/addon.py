@@ -120,7 +120,11 @@ def install_core_refusals(body_limit: int) -> None:
     handle_event = getattr(_http2.Http2Server._handle_event, "__wrapped__", _http2.Http2Server._handle_event)
 
     def http2_handle_event(self: _http2.Http2Server, event: Any) -> Any:
-        response = refusal(event.code) if isinstance(event, ResponseProtocolError) and self.is_open_for_us(event.stream_id) else None
+        response = None
+        if isinstance(event, ResponseProtocolError) and self.is_open_for_us(event.stream_id):
+            stream = self.h2_conn.streams.get(event.stream_id)
+            if stream is not None and not stream.state_machine.headers_sent:  # else mitmproxy resets the stream
+                response = refusal(event.code)
         if response is None:
             return (yield from handle_event(self, event))
         for answer in (

@@ -277,6 +277,8 @@ class _Exchange:
             location=response.header("Location"),
             job_ref=_job_reference(response),
             http_version=response.http_version,
+            # Only when false (an early answer, the body not all taken): the usual case adds nothing.
+            request_complete=None if response.request_complete else False,
         )
         self.entry.append(
             EventKind.RESULT_COMMITTED,

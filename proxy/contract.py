@@ -472,7 +472,9 @@ def apply(record: Record, event: Event) -> Record:
                 dispatch=Dispatch.REMOTE_ACKNOWLEDGED,
                 response_headers_received=True,
                 response_complete=True,
-                request_complete=True,
+                # A complete answer usually means the request was taken whole; an upstream that
+                # answered early (and stopped reading) says otherwise, recorded as false.
+                request_complete=event.get("request_complete", True),
                 status=int(event.data["status"]),
                 retry_after=event.get("retry_after"),
                 certainty=Certainty.REMOTE_RESPONSE,

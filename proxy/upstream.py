@@ -145,6 +145,9 @@ class UpstreamResponse:
     framing: str  # content-length | chunked | close | none
     peer_certificate_sha256: str | None
     http_version: str
+    #: False when the answer came before the socket took the request's last byte (an upstream
+    #: that answered early, a 413 say, and stopped reading).
+    request_complete: bool = True
 
     @property
     def body_sha256(self) -> str:
@@ -373,6 +376,8 @@ class _Connection(asyncio.Protocol):
         except ssl.SSLWantReadError:
             pass
         except ssl.SSLError as exc:
+            if chunks:  # what came before the bad record still counts (it may end the response)
+                self._received(b"".join(chunks))
             self._broken(ResponseBroken(f"the upstream's TLS stream is broken: {exc}"))
             return b""
         self._flush()  # what TLS itself answers (a key update), if anything
@@ -497,12 +502,23 @@ class _Connection(asyncio.Protocol):
             return
         self._flush()
 
+    @property
+    def flushed(self) -> bool:
+        """The socket has taken every byte written so far."""
+        return self.drained is None or self.drained.done()
+
     def close(self) -> None:
         """Close now, a response in progress included; TLS says close_notify first (best effort:
         nothing waits for the upstream's answer to it)."""
         self.reusable = False
         self.closed_here = True
         if self.transport is None:
+            return
+        if not self.flushed or (self.reading is not None and not self.reading.done.done()):
+            # Mid-exchange: the broker gave up on it. Nothing more goes out (not the rest of a
+            # body, not a close_notify a hung upstream would never answer), and the exchange
+            # ends at once (connection_lost), as cut by the broker.
+            self.transport.abort()
             return
         if self.tls is not None and self.secure and not self.transport.is_closing():
             try:
@@ -583,7 +599,7 @@ class Upstream:
         try:
             return await self._exchange(conn, data, reading, request, observer, progress)
         finally:
-            if reading.done.done() and not reading.done.exception() and conn.reusable and not conn.lost:
+            if reading.done.done() and not reading.done.exception() and conn.reusable and not conn.lost and conn.flushed:
                 conn.reading = None
                 self._give_back(key, conn)
             else:
@@ -594,13 +610,13 @@ class Upstream:
         observer: ExchangeObserver, progress: _Progress,
     ) -> UpstreamResponse:
         conn.send(data, reading)
-        drained = conn.drained
-        if drained is not None and not drained.done():
+        if not conn.flushed:
             # The socket has not taken every byte yet (a large body, an upstream slow to read):
             # the request is complete when it has, not when it was queued. An answer or a
             # broken connection ends the wait too.
-            await asyncio.wait((drained, reading.head), return_when=asyncio.FIRST_COMPLETED)
-        if not reading.done.done() and (drained is None or drained.done()):
+            assert conn.drained is not None
+            await asyncio.wait((conn.drained, reading.head), return_when=asyncio.FIRST_COMPLETED)
+        if not reading.done.done() and conn.flushed:
             # Every byte is with the kernel; a connection that had closed before the write
             # failed the reading instead.
             progress.request_complete = True
@@ -614,7 +630,6 @@ class Upstream:
                 Code.REMOTE_OUTCOME_UNKNOWN, diagnostic(exc),
                 request_complete=progress.request_complete, headers_received=False,
             ) from None
-        progress.request_complete = True  # an answer implies the request was taken
         try:
             await observer.response_started(reading.status)
             await reading.first_body
@@ -624,18 +639,18 @@ class Upstream:
         except ResponseTooLarge:
             raise ExchangeFailed(
                 Code.RESULT_TOO_LARGE, f"response body exceeds {request.max_response_body} bytes",
-                request_complete=True, headers_received=True,
+                request_complete=conn.flushed, headers_received=True,
             ) from None
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             raise ExchangeFailed(
-                Code.REMOTE_RESULT_INCOMPLETE, diagnostic(exc), request_complete=True, headers_received=True,
+                Code.REMOTE_RESULT_INCOMPLETE, diagnostic(exc), request_complete=conn.flushed, headers_received=True,
             ) from None
         if reading.size > reading.limit:  # the last bytes arrived with the end of the response
             raise ExchangeFailed(
                 Code.RESULT_TOO_LARGE, f"response body exceeds {request.max_response_body} bytes",
-                request_complete=True, headers_received=True,
+                request_complete=conn.flushed, headers_received=True,
             )
         headers = _text(reading.headers)
         return UpstreamResponse(
@@ -646,6 +661,7 @@ class Upstream:
             framing=framing_of(request.method, reading.status, headers),
             peer_certificate_sha256=conn.peer_certificate,
             http_version=f"HTTP/{conn.parser.get_http_version()}",
+            request_complete=conn.flushed,
         )
 
     # -- connections --------------------------------------------------------------------------

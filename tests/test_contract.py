@@ -71,6 +71,13 @@ def complete(status: int, **data) -> list[Event]:
 # -- the happy path and the shape of a record ---------------------------------------------
 
 
+def test_an_answer_that_came_before_the_request_was_taken_whole_leaves_the_request_incomplete():
+    early = fold([*DISPATCH, ev(K.REMOTE_RESPONSE_COMPLETE, status=413, request_complete=False), ev(K.RESULT_COMMITTED)])
+    assert early.response_complete and not early.request_complete and early.outcome is Outcome.REJECTED
+    assert fold([*DISPATCH, ev(K.REMOTE_RESPONSE_COMPLETE, status=200), ev(K.RESULT_COMMITTED)]).request_complete
+
+
+
 def test_a_delivered_result_is_committed_and_final():
     record = fold([*complete(200), ev(K.RESULT_DELIVERED)])
     assert record.stage is Stage.DELIVERED

@@ -518,12 +518,15 @@ def test_a_request_the_upstream_has_not_read_is_not_complete():
             upstream = Upstream()
             observer = Observer()
             exchange = asyncio.ensure_future(upstream.exchange(request(server.port, body=body), observer))
-            try:
-                await asyncio.sleep(0.5)
-                assert [c for c, _ in observer.calls] == ["dispatch"], observer.calls
-            finally:
-                exchange.cancel()
-                await upstream.close()
+            await asyncio.sleep(0.5)
+            assert [c for c, _ in observer.calls] == ["dispatch"], observer.calls
+            # Shutting down does not wait for the upstream to read the rest: nothing more is
+            # sent, and the exchange ends at once, its request incomplete.
+            started = time.monotonic()
+            await upstream.close()
+            with pytest.raises(ExchangeFailed) as cut:
+                await asyncio.wait_for(exchange, 2)
+            assert not cut.value.request_complete and time.monotonic() - started < 1
 
             async with Server(answer_each) as reading_server:
                 observer = Observer()
@@ -545,3 +548,67 @@ def test_the_framing_recorded_is_the_one_the_body_was_read_by(coding: bytes, wir
     response, _, _ = run(_one(_replying(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: " + coding + b"\r\n\r\n" + wire)))
     assert not isinstance(response, Exception), response
     assert (response.body, response.framing) == (b"hello", framing)
+
+
+def test_an_early_answer_to_a_request_not_taken_whole_is_recorded_so_and_its_connection_not_reused():
+    """An upstream that answers (413, keep-alive) after the head and stops reading: the answer is
+    the result, but the request was not complete, and the connection, with the rest of the body
+    still queued on it, must not carry the next request."""
+    body = b"x" * (48 * 1024 * 1024)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
+        if server.connections == 1:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 2\r\n\r\nno")
+            writer.transport.pause_reading()
+            await asyncio.sleep(5)
+        else:
+            await answer_each(reader, writer, server)
+
+    async def main() -> None:
+        async with Server(handler) as server:
+            upstream = Upstream()
+            try:
+                early = await upstream.exchange(request(server.port, body=body), Observer())
+                assert (early.status, early.request_complete) == (413, False)
+                observer = Observer()
+                second = await asyncio.wait_for(upstream.exchange(request(server.port), observer), 3)
+            finally:
+                await upstream.close()
+            assert second.status == 200 and second.request_complete and observer.calls[0] == ("dispatch", "new")
+
+    run(main())
+
+
+def test_a_complete_tls_response_stands_when_a_bad_record_follows_it_in_the_same_segment(pki: TestPKI):
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = pki.server_context("good").wrap_bio(incoming, outgoing, server_side=True)
+        plain, handshaken = b"", False
+        while not (b"\r\n\r\n" in plain and plain.endswith(b"{}")):  # the handshake, then the request
+            try:
+                if not handshaken:
+                    tls.do_handshake()
+                    handshaken = True
+                plain += tls.read(65536)
+            except ssl.SSLWantReadError:
+                writer.write(outgoing.read())
+                data = await reader.read(65536)
+                if not data:
+                    return
+                incoming.write(data)
+        tls.write(OK)
+        writer.write(outgoing.read() + b"\x17\x03\x03\x00\x20" + b"\x00" * 32)  # then a record that fails to decrypt
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async def main() -> None:
+        async with Server(handler) as server:
+            upstream = Upstream(ca_bundle=pki.ca_cert)
+            try:
+                response = await upstream.exchange(request(server.port, scheme="https"), Observer())
+            finally:
+                await upstream.close()
+            assert (response.status, response.body) == (200, b"ok")
+
+    run(main())
