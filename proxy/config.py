@@ -114,6 +114,15 @@ class DatabaseSection(_Section):
     def _supported(cls, url: str) -> str:
         if not url.startswith(("sqlite+aiosqlite://", "postgresql+asyncpg://")):
             raise ValueError("use 'sqlite+aiosqlite:///path.db' or 'postgresql+asyncpg://user@host/db'")
+        if url.startswith("sqlite"):
+            from sqlalchemy.engine import make_url
+
+            parsed = make_url(url)
+            if parsed.database in (None, "", ":memory:") or parsed.query.get("mode") == "memory":
+                # The journal's writer process would open a database of its own, and every record
+                # would be gone at exit: the journal's promise needs a file.
+                raise ValueError("an in-memory SQLite database cannot be the journal; give a file path, "
+                                 "e.g. 'sqlite+aiosqlite:///./affidavit.db'")
         return url
 
     @property

@@ -79,6 +79,8 @@ def test_the_environment_overrides_the_file(tmp_path, monkeypatch):
         (('value = "Bearer {{secret}}"', 'value = "Bearer"'), "routes[0].inject", "must contain '{secret}'"),
         (('[[routes]]', '[[routes]]\nbogus = 1'), "routes[0].bogus", "Extra inputs are not permitted"),
         (('host = "api.payments.test"', 'host = "*.payments.test"\nconnect_to = "127.0.0.1:9"'), "routes[0]", "needs an exact host"),
+        (('url = "sqlite+aiosqlite:///{db}"', 'url = "sqlite+aiosqlite:///:memory:"'), "database.url", "in-memory SQLite"),
+        (('url = "sqlite+aiosqlite:///{db}"', 'url = "sqlite+aiosqlite://"'), "database.url", "in-memory SQLite"),
     ],
 )
 def test_a_bad_value_names_file_key_and_reason(tmp_path, mutation, key, reason):
