@@ -41,6 +41,7 @@ def hostile_routes(up: HostileUpstream) -> list[dict[str, Any]]:
         {"name": "h.untrusted", "host": "untrusted.example.test", "methods": every, "agents": ["builder"], "connect_to": f"127.0.0.1:{up.tls_port('untrusted')}", **fast},
         {"name": "h.expired", "host": "expired.example.test", "methods": every, "agents": ["builder"], "connect_to": f"127.0.0.1:{up.tls_port('expired')}", **fast},
         {"name": "h.wronghost", "host": "wronghost.example.test", "methods": every, "agents": ["builder"], "connect_to": f"127.0.0.1:{up.tls_port('wrong_host')}", **fast},
+        {"name": "h.big", "host": "big.example.test", "methods": every, "agents": ["builder"], "connect_to": good, "max_body": "64MiB"},
         {"name": "h.stall", "host": "stall.example.test", "methods": every, "agents": ["builder"], "connect_to": f"127.0.0.1:{up.tls_stall_port}", **fast},
     ]
 
@@ -257,6 +258,19 @@ def test_100_continue_then_a_final_response_is_decided_by_the_final_one(broker, 
     assert response.status_code == 201
     record = record_of(broker, response.headers["affidavit-invocation-id"])
     assert record["outcome"] == "committed" and record["evidence"]["status"] == 201
+
+
+def test_an_early_answer_is_the_result_and_says_the_request_was_not_taken_whole(broker, upstream):
+    """An upstream that refuses after the head and stops reading: its 413 is the result, but the
+    record must not claim the request reached it whole (40 MB: more than loopback buffers hold)."""
+    with broker.client() as client:
+        response = client.post("https://big.example.test/h/early_answer", content=b"x" * (40 * 1024 * 1024))
+    assert response.status_code == 413 and response.headers["affidavit-outcome"] == "rejected"
+    record = record_of(broker, response.headers["affidavit-invocation-id"])
+    assert record["outcome"] == "rejected" and record["evidence"]["response_complete"] is True
+    assert record["evidence"]["request_complete"] is False
+    with broker.client() as client:  # the connection with the rest of the body queued is not reused
+        assert client.get("https://big.example.test/h/ok").status_code == 200
 
 
 def test_close_delimited_body_is_complete_but_marked_as_weaker_framing(broker, upstream):

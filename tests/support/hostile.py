@@ -36,6 +36,8 @@ _READ_SIZE = 64 * 1024
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: behaviours that send "100 Continue" before reading the body even without Expect.
 _ALWAYS_CONTINUE = {"continue_close", "continue_final"}
+#: Behaviours that answer after the head, before (and without) reading the body.
+_BEFORE_BODY = {"early_answer"}
 
 
 def free_port() -> int:
@@ -441,6 +443,8 @@ class HostileUpstream:
 
         parts = urlsplit(entry.path).path.split("/")  # absolute-form routes the same way
         entry.behaviour = parts[2] if len(parts) > 2 and parts[1] == "h" else "ok"
+        if entry.behaviour in _BEFORE_BODY:
+            return bool(await getattr(self, f"_b_{entry.behaviour}")(conn, entry, entry.query))
         if entry.behaviour in _ALWAYS_CONTINUE or (entry.header("Expect") or "").lower() == "100-continue":
             await conn.send(_CONTINUE)
         try:
@@ -595,6 +599,15 @@ class HostileUpstream:
         """Effect; 200 with neither Content-Length nor chunked, body ends at close (legal)."""
         body = self._echo(conn, entry, self._apply(entry))
         return await self._send_and_close(conn, entry, q, _response(200, body, close=True, length=False), 200)
+
+    async def _b_early_answer(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
+        """No effect; ``413`` (keep-alive) right after the head, the body never read; stops reading
+        for ``?hold=S`` seconds (5), then closes: an upstream that refuses early."""
+        conn.writer.transport.pause_reading()
+        entry.response_status = 413
+        await conn.send(_response(413, _json({"error": "too large"})))
+        await asyncio.sleep(float(q.get("hold", 5)))
+        return False
 
     async def _b_continue_close(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
         """``100 Continue`` before the body; effect after the body; close with no final response."""
