@@ -107,6 +107,10 @@ def env_lines(settings: Settings, agent: str | None = None, token: str | None = 
         f'export NODE_EXTRA_CA_CERTS="{ca}"',
         "export NODE_USE_ENV_PROXY=1",
         f'export AFFIDAVIT_API_URL="http://{api_host}:{api_port}"',
+        # The side API is called directly, never through the proxy (which would refuse it as a
+        # target no route allows). curl, requests, httpx and Node all read NO_PROXY.
+        f'export NO_PROXY="{api_host}"',
+        f'export no_proxy="{api_host}"',
     ]
 
 

@@ -96,6 +96,11 @@ def env(
     settings = _settings(config)
     if agent is None and settings.agents:
         agent = settings.agents[0].name
+    names = [a.name for a in settings.agents]
+    if agent is not None and agent not in names:
+        # A typo here would only show later, as 407s from the proxy.
+        typer.echo(f"affidavit: no agent {agent!r} in the configuration (agents: {', '.join(names) or 'none'})", err=True)
+        raise typer.Exit(2)
     for line in env_lines(settings, agent, token):
         typer.echo(line)
 

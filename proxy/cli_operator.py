@@ -194,8 +194,9 @@ def metrics(
     Console(width=max(console.width, 110)).print(table)
     unknown = counts.get(("remote_execution", "unknown"), 0)
     setup = counts.get(("connection_setup", "not_attempted"), 0)
-    console.print(f"remote_execution/unknown: {unknown} (may have had effects: reconcile, never re-send blindly)")
-    console.print(f"connection_setup/not_attempted: {setup} (nothing was sent)")
+    # One line each, whatever the terminal's width (scripts grep them).
+    console.print(f"remote_execution/unknown: {unknown} (may have had effects: reconcile, never re-send blindly)", soft_wrap=True)
+    console.print(f"connection_setup/not_attempted: {setup} (nothing was sent)", soft_wrap=True)
 
 
 # -- decisions, through the side API of a running broker ----------------------------------------

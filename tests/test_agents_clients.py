@@ -158,6 +158,21 @@ def test_curl(broker: BrokerProcess, agent_env: dict[str, str], fresh: HostileUp
     check_calls(results, fresh)
 
 
+def test_the_side_api_is_reached_directly_with_the_same_environment(broker: BrokerProcess, agent_env: dict[str, str], fresh: HostileUpstream):
+    """`affidavit env` sets the proxy for every URL, lower-case http_proxy included, so it must
+    also exempt the side API: through the proxy it is a target no route allows."""
+    done = subprocess.run(["curl", "-sS", "-i", "--max-time", "20", PAYMENTS], env=agent_env, capture_output=True, timeout=30)
+    invocation_id = {k.lower(): v for k, v in _curl_result(done.stdout)["headers"].items()}["affidavit-invocation-id"]
+    token = broker.agents["builder"].token
+    for client in (
+        ["curl", "-sS", "--max-time", "20", "-H", f"Authorization: Bearer {token}", f"{agent_env['AFFIDAVIT_API_URL']}/v1/invocations/{invocation_id}"],
+        [sys.executable, "-c", "import os, sys, requests; r = requests.get(sys.argv[1], headers={'Authorization': 'Bearer ' + sys.argv[2]}, timeout=20); print(r.text)",
+         f"{agent_env['AFFIDAVIT_API_URL']}/v1/invocations/{invocation_id}", token],
+    ):
+        record = json.loads(run(client, agent_env))
+        assert record["invocation_id"] == invocation_id and record["outcome"] == "committed", record
+
+
 # -- Python: requests, httpx --------------------------------------------------------------------
 
 REQUESTS_SNIPPET = """

@@ -176,3 +176,12 @@ def test_env_lines_cover_both_spellings_encode_the_token_and_name_a_reachable_ho
         assert (url.hostname, url.port) == ("127.0.0.1", int(settings.proxy.listen.rsplit(":", 1)[1]))
         assert url.username == "builder" and unquote(url.password) == token, name
     assert urlsplit(lines["AFFIDAVIT_API_URL"].strip('"')).hostname == "127.0.0.1"
+
+
+def test_affidavit_env_for_an_unknown_agent_is_a_usage_error_naming_the_agents(tmp_path):
+    path = write(tmp_path, good(tmp_path))
+    done = subprocess.run([AFFIDAVIT, "env", "--config", str(path), "--agent", "buidler"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2 and done.stdout == ""
+    assert "no agent 'buidler'" in done.stderr and "builder" in done.stderr
+    done = subprocess.run([AFFIDAVIT, "env", "--config", str(path), "--agent", "builder"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0 and 'export NO_PROXY="127.0.0.1"' in done.stdout

@@ -332,6 +332,7 @@ def metrics_table(broker: BrokerProcess, *args: str) -> tuple[dict[str, list[int
             rows[cells[1]] = [0 if c == "." else int(c) for c in cells[2:-1]]
     assert sorted(rows) == sorted([*PHASE_ROWS, "total"]), out
     summary = " ".join(line for line in out.splitlines() if line.startswith(("remote_execution/unknown:", "connection_setup/")))
+    assert re.search(r"^remote_execution/unknown: \d+ \(.*never re-send blindly\)$", out, re.M), "one whole line at 80 columns"
     return rows, summary
 
 
