@@ -70,6 +70,17 @@ def auth_required() -> http.Response:
     )
 
 
+def credentials_rejected(agent: str) -> http.Response:
+    return _refusal(
+        407,
+        Code.PROXY_AUTH_REQUIRED,
+        f"The proxy credentials for agent {agent!r} were not accepted: the agent name or its token in the "
+        "proxy URL (http://AGENT:TOKEN@host:port) is wrong, or the token was rotated. "
+        "Nothing was sent and nothing was recorded.",
+        [("Proxy-Authenticate", REALM)],
+    )
+
+
 def install_core_refusals(body_limit: int) -> None:
     """Make the two refusals mitmproxy sends itself, before any hook runs, envelopes like every
     other: HTTP it cannot parse (400) and a body over its ``body_size_limit`` (413).
@@ -165,6 +176,26 @@ class AgentAuth:
             return None
         return agent
 
+    def refusal(self, flow: http.HTTPFlow) -> http.Response:
+        """The 407 for a request :meth:`authenticate` refused: "authenticate" when it brought no
+        credentials; "not accepted", logged for the operator, when it brought wrong ones (the
+        agent name it claimed, never the token)."""
+        header = flow.request.headers.get("Proxy-Authorization")
+        if not header:
+            return auth_required()
+        claimed = "?"
+        try:
+            claimed = base64.b64decode(header.partition(" ")[2].strip(), validate=True).decode("utf-8").partition(":")[0]
+        except (binascii.Error, UnicodeDecodeError):
+            pass
+        claimed = "".join(c for c in claimed if c.isprintable())[:64] or "?"
+        peer = flow.client_conn.peername
+        log.warning(
+            "proxy credentials rejected for agent %r from %s",
+            claimed, peer[0] if peer else "?", extra={"agent": claimed, "code": Code.PROXY_AUTH_REQUIRED.value},
+        )
+        return credentials_rejected(claimed)
+
     def agent_of(self, flow: http.HTTPFlow) -> str | None:
         agent = self._by_client.get(flow.client_conn.id)
         if agent is not None:
@@ -175,7 +206,7 @@ class AgentAuth:
         """CONNECT: the only place an HTTPS agent presents its credentials."""
         agent = self.authenticate(flow.request.headers.get("Proxy-Authorization"))
         if agent is None:
-            flow.response = auth_required()
+            flow.response = self.refusal(flow)
         else:
             self._by_client[flow.client_conn.id] = agent
 
@@ -211,7 +242,7 @@ class BrokerAddon:
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         try:
             if flow.response is None and self.auth.agent_of(flow) is None:
-                flow.response = auth_required()
+                flow.response = self.auth.refusal(flow)
         except Exception:
             log.exception("request screening failed unexpectedly")
             flow.response = _internal_error()
@@ -222,7 +253,7 @@ class BrokerAddon:
         try:
             agent = self.auth.agent_of(flow)
             if agent is None:
-                flow.response = auth_required()
+                flow.response = self.auth.refusal(flow)
                 return
             r = flow.request
             req = AgentRequest(

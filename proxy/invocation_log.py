@@ -107,6 +107,9 @@ class InvocationLog:
         self._last: asyncio.Future[None] | None = None
         self._last_write: Write | None = None
         self._created_at = utcnow()
+        #: The last failure's internal diagnostic (library or secret-source text, never a value),
+        #: for the operator's end-of-invocation log line.
+        self._diagnostic: str | None = None
         self._started = time.monotonic()
         self._dispatched_at: float | None = None
 
@@ -117,6 +120,8 @@ class InvocationLog:
     def append(self, kind: EventKind, **data: Any) -> Event:
         """Record a fact. Raises :class:`~proxy.contract.IllegalTransition` for impossible moves."""
         data = {k: v for k, v in data.items() if v is not None}
+        if "diagnostic" in data:
+            self._diagnostic = data["diagnostic"]
         seq = (self.record.last_seq or 0) + 1
         event = Event(kind, data, seq)
         was_ended = self.record.ended
@@ -171,6 +176,7 @@ class InvocationLog:
                 "attempts": record.dispatch_count,
                 "total_ms": round((now - self._started) * 1000, 2),
                 "remote_ms": round((now - self._dispatched_at) * 1000, 2) if self._dispatched_at else None,
+                "diagnostic": self._diagnostic,
             },
         )
 

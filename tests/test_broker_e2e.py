@@ -166,6 +166,10 @@ def _length(data: bytes) -> int:
 @pytest.mark.parametrize("token", [None, "wrong-token"])
 def test_missing_or_wrong_proxy_token_gets_407_and_nothing_is_sent(broker: BrokerProcess, upstream: HostileUpstream, token):
     auth = b"" if token is None else b"Proxy-Authorization: Basic " + base64.b64encode(f"builder:{token}".encode()) + b"\r\n"
+    def rejected() -> list[str]:
+        return [line for line in broker.logs().splitlines() if "proxy credentials rejected for agent 'builder'" in line]
+
+    before = len(rejected())
     requests_ = [
         b"CONNECT api.payments.test:443 HTTP/1.1\r\nHost: api.payments.test:443\r\n" + auth + b"\r\n",
         b"GET http://plain.example.test/h/ok HTTP/1.1\r\nHost: plain.example.test\r\n" + auth + b"\r\n",
@@ -180,7 +184,12 @@ def test_missing_or_wrong_proxy_token_gets_407_and_nothing_is_sent(broker: Broke
         assert envelope["error"]["code"] == "PROXY_AUTH_REQUIRED"
         assert envelope["error"]["outcome"] == "not_attempted"
         assert envelope["invocation_id"] is None
+        # No credentials: how to give them. Wrong ones: that they were refused, for which agent.
+        expected = "is required" if token is None else "credentials for agent 'builder' were not accepted"
+        assert expected in envelope["error"]["message"], envelope["error"]["message"]
     assert upstream.received == []
+    assert len(rejected()) - before == (0 if token is None else 2), rejected()
+    assert not any("wrong-token" in line for line in broker.logs().splitlines()), "the token is never logged"
 
 
 def _refused(response: httpx.Response, status: int, code: str, phase: str = "validation") -> dict[str, Any]:

@@ -4,6 +4,8 @@ and an approval that went stale because the route's configuration changed across
 
 from __future__ import annotations
 
+import json
+
 import secrets
 import threading
 import time
@@ -104,6 +106,8 @@ def test_a_credential_that_is_not_there_is_credential_missing_and_nothing_is_sen
     assert kinds(record) == ["ACTION_ACCEPTED", "PREFLIGHT_VALIDATED", "FAILED"]
     assert expected_diagnostic in failed_event(record)["data"]["diagnostic"], "the operator is told which source"
     assert "diagnostic" not in failed_event(broker.invocation(invocation_id))["data"], "the agent is not"
+    ended = [json.loads(line) for line in broker.logs().splitlines() if invocation_id in line and '"invocation ended"' in line]
+    assert len(ended) == 1 and expected_diagnostic in ended[0]["diagnostic"], "the operator's log line says which source too"
     assert upstream.received == [], "not even a connection carried a request"
     assert upstream.effects == 0
 
