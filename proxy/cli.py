@@ -9,9 +9,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli_operator import approvals_app, invocations_app, metrics, reconcile
+from .cli_operator import approvals_app, invocations_app, metrics, reconcile, settings_or_exit
 from .cli_security import audit_app, keys_app, secrets_app
-from .config import DEFAULT_CONFIG, ConfigError, Settings, load_settings
+from .config import DEFAULT_CONFIG, ConfigError, Settings
 
 app = typer.Typer(
     help="Affidavit: an HTTP(S) forward proxy for AI agents that tells the truth about remote effects.",
@@ -35,11 +35,7 @@ ConfigOption = Annotated[
 
 
 def _settings(config: Path | None) -> Settings:
-    try:
-        return load_settings(config)
-    except ConfigError as exc:
-        typer.echo(f"affidavit: {exc}", err=True)
-        raise typer.Exit(2) from None
+    return settings_or_exit(config)
 
 
 @app.command()

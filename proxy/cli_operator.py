@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy import text
 
-from .config import ConfigError, Settings, load_settings, parse_duration
+from .config import DEFAULT_CONFIG, ConfigError, Settings, load_settings, parse_duration
 from .crypto import KeyRing, payload_decoder, result_decoder
 from .invocation_view import describe
 from .store import queries
@@ -36,6 +36,15 @@ console = Console()
 
 
 def settings_or_exit(config: Path | None) -> Settings:
+    """The configuration, or exit 2 saying why. Without ``--config`` and without ``./affidavit.toml``
+    the built-in defaults apply, which is said on stderr: a command run from the wrong directory
+    would otherwise look at the wrong journal without a word."""
+    if config is None and not DEFAULT_CONFIG.is_file():
+        typer.echo(
+            f"affidavit: no --config and no {DEFAULT_CONFIG} in {Path.cwd()}: using the built-in defaults "
+            "and AFFIDAVIT_* variables",
+            err=True,
+        )
     try:
         return load_settings(config)
     except ConfigError as exc:
@@ -53,8 +62,18 @@ def ring_of(settings: Settings) -> KeyRing:
 
 
 def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
-    """Run ``work(engine)`` against the configured journal; a database error is one clear line."""
+    """Run ``work(engine)`` against the configured journal; a database error is one clear line.
+    A SQLite journal that does not exist is said so (connecting would create an empty file)."""
+    from sqlalchemy.engine import make_url
 
+    url = make_url(settings.database.url)
+    if url.get_backend_name() == "sqlite" and url.database and not Path(url.database).is_file():
+        typer.echo(
+            f"affidavit: no journal at {url.database}: nothing was recorded there, or this is not the "
+            "broker's directory; run it there or pass --config",
+            err=True,
+        )
+        raise typer.Exit(1)
     try:
         return asyncio.run(on_engine(settings.database.url, work, pool_size=2))
     except Exception as exc:

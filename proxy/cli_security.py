@@ -50,10 +50,9 @@ def _keys() -> None:
 
 
 def _settings(config: Path | None) -> Settings:
-    try:
-        return load_settings(config)
-    except ConfigError as exc:
-        _fail(str(exc), 2)
+    from .cli_operator import settings_or_exit
+
+    return settings_or_exit(config)
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:

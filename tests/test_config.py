@@ -185,3 +185,14 @@ def test_affidavit_env_for_an_unknown_agent_is_a_usage_error_naming_the_agents(t
     assert "no agent 'buidler'" in done.stderr and "builder" in done.stderr
     done = subprocess.run([AFFIDAVIT, "env", "--config", str(path), "--agent", "builder"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 0 and 'export NO_PROXY="127.0.0.1"' in done.stdout
+
+
+def test_a_read_command_in_the_wrong_directory_says_so_and_creates_nothing(tmp_path):
+    """No ./affidavit.toml: the defaults apply, which is said, and the default SQLite journal that
+    is not there is reported missing rather than created empty."""
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")}
+    done = subprocess.run([AFFIDAVIT, "invocations", "list"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 1, done.stderr
+    assert f"no --config and no affidavit.toml in {tmp_path}" in done.stderr
+    assert "no journal at ./affidavit.db" in done.stderr and "Traceback" not in done.stderr
+    assert list(tmp_path.iterdir()) == [], "a read command left a file behind"
