@@ -28,6 +28,23 @@ app.add_typer(secrets_app, name="secrets")
 app.add_typer(audit_app, name="audit")
 app.add_typer(keys_app, name="keys")
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"affidavit {version('affidavit')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Affidavit: an HTTP(S) forward proxy for AI agents that tells the truth about remote effects."""
+
+
 ConfigOption = Annotated[
     Optional[Path],
     typer.Option("--config", "-c", envvar="AFFIDAVIT_CONFIG", help="TOML configuration file (default ./affidavit.toml)."),

@@ -416,6 +416,8 @@ def _describe(where: str, exc: ValidationError) -> str:
     for error in exc.errors():
         key = _key(error["loc"])
         message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = "unknown key (a typo? every key is in docs/configuration.md)"
         lines.append(f"  {key or '(top level)'}: {message}")
     return "\n".join(lines)
 

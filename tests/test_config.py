@@ -77,7 +77,7 @@ def test_the_environment_overrides_the_file(tmp_path, monkeypatch):
         (('retention = "24h"', 'retention = "soon"'), "routes[0].idempotency.retention", "not a duration"),
         (('listen = "127.0.0.1:{port}"', 'listen = "localhost"'), "proxy.listen", "host:port"),
         (('value = "Bearer {{secret}}"', 'value = "Bearer"'), "routes[0].inject", "must contain '{secret}'"),
-        (('[[routes]]', '[[routes]]\nbogus = 1'), "routes[0].bogus", "Extra inputs are not permitted"),
+        (('[[routes]]', '[[routes]]\nbogus = 1'), "routes[0].bogus", "unknown key (a typo?"),
         (('host = "api.payments.test"', 'host = "*.payments.test"\nconnect_to = "127.0.0.1:9"'), "routes[0]", "needs an exact host"),
         (('url = "sqlite+aiosqlite:///{db}"', 'url = "sqlite+aiosqlite:///:memory:"'), "database.url", "in-memory SQLite"),
         (('url = "sqlite+aiosqlite:///{db}"', 'url = "sqlite+aiosqlite://"'), "database.url", "in-memory SQLite"),
@@ -196,3 +196,10 @@ def test_a_read_command_in_the_wrong_directory_says_so_and_creates_nothing(tmp_p
     assert f"no --config and no affidavit.toml in {tmp_path}" in done.stderr
     assert "no journal at ./affidavit.db" in done.stderr and "Traceback" not in done.stderr
     assert list(tmp_path.iterdir()) == [], "a read command left a file behind"
+
+
+def test_affidavit_version_is_the_installed_distributions():
+    from importlib.metadata import version
+
+    done = subprocess.run([AFFIDAVIT, "--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == f"affidavit {version('affidavit')}", done

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import select, text
@@ -14,10 +14,15 @@ from ..crypto import PayloadDecoder, ResultDecoder
 from .schema import events, invocations, results
 
 
+def _row(row: Any) -> dict[str, Any]:
+    """A row as a dict, its times in UTC with their offset (SQLite returns them without one)."""
+    return {k: v.replace(tzinfo=UTC) if isinstance(v, datetime) and v.tzinfo is None else v for k, v in row.items()}
+
+
 async def invocation(engine: AsyncEngine, invocation_id: str) -> dict[str, Any] | None:
     async with engine.connect() as conn:
         row = (await conn.execute(select(invocations).where(invocations.c.invocation_id == invocation_id))).mappings().first()
-    return dict(row) if row else None
+    return _row(row) if row else None
 
 
 async def event_rows(engine: AsyncEngine, invocation_id: str) -> list[dict[str, Any]]:
@@ -25,7 +30,7 @@ async def event_rows(engine: AsyncEngine, invocation_id: str) -> list[dict[str, 
         rows = (
             await conn.execute(select(events).where(events.c.invocation_id == invocation_id).order_by(events.c.seq))
         ).mappings().all()
-    return [dict(r) for r in rows]
+    return [_row(r) for r in rows]
 
 
 def decode_events(rows: list[dict[str, Any]], decode: PayloadDecoder) -> list[Event]:
@@ -46,7 +51,7 @@ async def events_after(engine: AsyncEngine, invocation_id: str, seq: int, decode
     """Events appended after ``seq`` (by another process, e.g. an operator's decision)."""
     query = select(events).where(events.c.invocation_id == invocation_id, events.c.seq > seq).order_by(events.c.seq)
     async with engine.connect() as conn:
-        rows = [dict(r) for r in (await conn.execute(query)).mappings().all()]
+        rows = [_row(r) for r in (await conn.execute(query)).mappings().all()]
     return decode_events(rows, decode)
 
 
@@ -54,7 +59,7 @@ async def held(engine: AsyncEngine, limit: int = 200) -> list[dict[str, Any]]:
     """Invocations waiting for an operator's approval, oldest first."""
     query = select(invocations).where(invocations.c.stage == "held").order_by(invocations.c.created_at).limit(limit)
     async with engine.connect() as conn:
-        return [dict(r) for r in (await conn.execute(query)).mappings().all()]
+        return [_row(r) for r in (await conn.execute(query)).mappings().all()]
 
 
 _RESULT_COLUMNS = (
@@ -103,7 +108,7 @@ async def stored_result(engine: AsyncEngine, invocation_id: str, decode: ResultD
 async def result(engine: AsyncEngine, invocation_id: str) -> dict[str, Any] | None:
     async with engine.connect() as conn:
         row = (await conn.execute(select(results).where(results.c.invocation_id == invocation_id))).mappings().first()
-    return dict(row) if row else None
+    return _row(row) if row else None
 
 
 async def list_invocations(
@@ -128,7 +133,7 @@ async def list_invocations(
     if before is not None:
         query = query.where(c.invocation_id < before)
     async with engine.connect() as conn:
-        return [dict(r) for r in (await conn.execute(query)).mappings().all()]
+        return [_row(r) for r in (await conn.execute(query)).mappings().all()]
 
 
 async def ping(engine: AsyncEngine) -> None:
