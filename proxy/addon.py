@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import hmac
 import logging
 import time
@@ -70,12 +69,12 @@ def auth_required() -> http.Response:
     )
 
 
-def credentials_rejected(agent: str) -> http.Response:
+def credentials_rejected() -> http.Response:
     return _refusal(
         407,
         Code.PROXY_AUTH_REQUIRED,
-        f"The proxy credentials for agent {agent!r} were not accepted: the agent name or its token in the "
-        "proxy URL (http://AGENT:TOKEN@host:port) is wrong, or the token was rotated. "
+        "The proxy credentials were not accepted: the agent name or its token in the proxy URL "
+        "(http://AGENT:TOKEN@host:port) is wrong, or the token was rotated. "
         "Nothing was sent and nothing was recorded.",
         [("Proxy-Authenticate", REALM)],
     )
@@ -167,7 +166,7 @@ class AgentAuth:
             return None
         try:
             decoded = base64.b64decode(header[6:].strip(), validate=True).decode("utf-8")
-        except (binascii.Error, UnicodeDecodeError):
+        except ValueError:  # not base64 (binascii.Error), not ASCII, not UTF-8
             return None
         agent, sep, token = decoded.partition(":")
         expected = self._tokens.get(agent)
@@ -178,23 +177,24 @@ class AgentAuth:
 
     def refusal(self, flow: http.HTTPFlow) -> http.Response:
         """The 407 for a request :meth:`authenticate` refused: "authenticate" when it brought no
-        credentials; "not accepted", logged for the operator, when it brought wrong ones (the
-        agent name it claimed, never the token)."""
+        credentials; "not accepted", logged for the operator, when it brought wrong ones. The log
+        names the agent only if it is one of ours: a name it does not know may be a token typed
+        in the wrong place, and is neither logged nor echoed."""
         header = flow.request.headers.get("Proxy-Authorization")
         if not header:
             return auth_required()
-        claimed = "?"
+        claimed = ""
         try:
             claimed = base64.b64decode(header.partition(" ")[2].strip(), validate=True).decode("utf-8").partition(":")[0]
-        except (binascii.Error, UnicodeDecodeError):
+        except ValueError:
             pass
-        claimed = "".join(c for c in claimed if c.isprintable())[:64] or "?"
+        who = f"agent {claimed!r}" if claimed in self._tokens else "an agent name this broker does not know"
         peer = flow.client_conn.peername
         log.warning(
-            "proxy credentials rejected for agent %r from %s",
-            claimed, peer[0] if peer else "?", extra={"agent": claimed, "code": Code.PROXY_AUTH_REQUIRED.value},
+            "proxy credentials rejected for %s from %s", who, peer[0] if peer else "?",
+            extra={"agent": claimed if claimed in self._tokens else None, "code": Code.PROXY_AUTH_REQUIRED.value},
         )
-        return credentials_rejected(claimed)
+        return credentials_rejected()
 
     def agent_of(self, flow: http.HTTPFlow) -> str | None:
         agent = self._by_client.get(flow.client_conn.id)

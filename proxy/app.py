@@ -109,15 +109,17 @@ def env_lines(settings: Settings, agent: str | None = None, token: str | None = 
         f'export AFFIDAVIT_API_URL="http://{api_host}:{api_port}"',
         # The side API is called directly, never through the proxy (which would refuse it as a
         # target no route allows). curl, requests, httpx and Node all read NO_PROXY.
-        f'export NO_PROXY="{api_host}"',
-        f'export no_proxy="{api_host}"',
+        f'export NO_PROXY="{api_host.strip("[]")}"',
+        f'export no_proxy="{api_host.strip("[]")}"',
     ]
 
 
 def _reachable(listen: str) -> tuple[str, int]:
-    """Where a local agent reaches a listen address (a wildcard means this host)."""
+    """Where a local agent reaches a listen address (a wildcard means this host), as it goes in
+    a URL (an IPv6 address in brackets)."""
     host, port = parse_listen(listen)
-    return ("127.0.0.1" if host in ("0.0.0.0", "::", "") else host), port
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return (f"[{host}]" if ":" in host else host), port
 
 
 @dataclass

@@ -32,7 +32,12 @@ def _version(value: bool) -> None:
     if value:
         from importlib.metadata import version
 
-        typer.echo(f"affidavit {version('affidavit')}")
+        from importlib.metadata import PackageNotFoundError
+
+        try:
+            typer.echo(f"affidavit {version('affidavit')}")
+        except PackageNotFoundError:
+            typer.echo("affidavit (not installed: run from a source tree)")
         raise typer.Exit()
 
 
@@ -110,7 +115,7 @@ def env(
     if agent is None and settings.agents:
         agent = settings.agents[0].name
     names = [a.name for a in settings.agents]
-    if agent is not None and agent not in names:
+    if agent is not None and token is None and agent not in names:  # with --token the name is taken as given
         # A typo here would only show later, as 407s from the proxy.
         typer.echo(f"affidavit: no agent {agent!r} in the configuration (agents: {', '.join(names) or 'none'})", err=True)
         raise typer.Exit(2)

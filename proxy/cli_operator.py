@@ -67,7 +67,8 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
     from sqlalchemy.engine import make_url
 
     url = make_url(settings.database.url)
-    if url.get_backend_name() == "sqlite" and url.database and not Path(url.database).is_file():
+    uri = url.query.get("uri") in ("true", "1") or (url.database or "").startswith("file:")
+    if url.get_backend_name() == "sqlite" and url.database and not uri and not Path(url.database).is_file():
         typer.echo(
             f"affidavit: no journal at {url.database}: nothing was recorded there, or this is not the "
             "broker's directory; run it there or pass --config",

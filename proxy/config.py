@@ -118,7 +118,8 @@ class DatabaseSection(_Section):
             from sqlalchemy.engine import make_url
 
             parsed = make_url(url)
-            if parsed.database in (None, "", ":memory:") or parsed.query.get("mode") == "memory":
+            database = parsed.database or ""
+            if database in ("", ":memory:") or database.startswith("file::memory:") or parsed.query.get("mode") == "memory":
                 # The journal's writer process would open a database of its own, and every record
                 # would be gone at exit: the journal's promise needs a file.
                 raise ValueError("an in-memory SQLite database cannot be the journal; give a file path, "

@@ -185,11 +185,28 @@ def test_missing_or_wrong_proxy_token_gets_407_and_nothing_is_sent(broker: Broke
         assert envelope["error"]["outcome"] == "not_attempted"
         assert envelope["invocation_id"] is None
         # No credentials: how to give them. Wrong ones: that they were refused, for which agent.
-        expected = "is required" if token is None else "credentials for agent 'builder' were not accepted"
+        expected = "is required" if token is None else "proxy credentials were not accepted"
         assert expected in envelope["error"]["message"], envelope["error"]["message"]
     assert upstream.received == []
     assert len(rejected()) - before == (0 if token is None else 2), rejected()
     assert not any("wrong-token" in line for line in broker.logs().splitlines()), "the token is never logged"
+
+
+@pytest.mark.parametrize("header", [
+    b"Basic " + base64.b64encode(b"tok-in-the-name-slot-7f3a9c:"),  # http://TOKEN@host: a token where the name goes
+    "Bearer \u00e9t\u00e9".encode("utf-8"),  # not Basic, not ASCII
+    b"Basic !!!not-base64!!!",
+])
+def test_malformed_or_misplaced_proxy_credentials_get_a_407_that_repeats_nothing(broker: BrokerProcess, upstream: HostileUpstream, header):
+    answer = _raw(broker.proxy_port, b"GET http://plain.example.test/h/ok HTTP/1.1\r\nHost: plain.example.test\r\nProxy-Authorization: " + header + b"\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 407"), head
+    envelope = check_envelope(body)
+    assert envelope["error"]["code"] == "PROXY_AUTH_REQUIRED"
+    assert b"tok-in-the-name-slot" not in answer
+    assert "tok-in-the-name-slot" not in broker.logs(), "an unknown agent name may be a token: never logged"
+    assert "Traceback" not in broker.logs()
+    assert upstream.received == []
 
 
 def _refused(response: httpx.Response, status: int, code: str, phase: str = "validation") -> dict[str, Any]:

@@ -81,6 +81,7 @@ def test_the_environment_overrides_the_file(tmp_path, monkeypatch):
         (('host = "api.payments.test"', 'host = "*.payments.test"\nconnect_to = "127.0.0.1:9"'), "routes[0]", "needs an exact host"),
         (('url = "sqlite+aiosqlite:///{db}"', 'url = "sqlite+aiosqlite:///:memory:"'), "database.url", "in-memory SQLite"),
         (('url = "sqlite+aiosqlite:///{db}"', 'url = "sqlite+aiosqlite://"'), "database.url", "in-memory SQLite"),
+        (('url = "sqlite+aiosqlite:///{db}"', 'url = "sqlite+aiosqlite:///file::memory:?cache=shared&uri=true"'), "database.url", "in-memory SQLite"),
     ],
 )
 def test_a_bad_value_names_file_key_and_reason(tmp_path, mutation, key, reason):
@@ -203,3 +204,39 @@ def test_affidavit_version_is_the_installed_distributions():
 
     done = subprocess.run([AFFIDAVIT, "--version"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == f"affidavit {version('affidavit')}", done
+
+
+def test_env_prints_urls_an_ipv6_listen_address_works_in(tmp_path, monkeypatch):
+    from proxy.app import env_lines
+
+    monkeypatch.setenv("BUILDER_TOKEN", "unused")
+    monkeypatch.setenv("PAYMENTS_KEY", "unused")
+    text = good(tmp_path).replace('listen = "127.0.0.1:', 'listen = "[::1]:')
+    lines = dict(line.removeprefix("export ").split("=", 1) for line in env_lines(load_settings(write(tmp_path, text)), "builder", "t"))
+    assert lines["HTTPS_PROXY"].startswith('"http://builder:t@[::1]:') and lines["AFFIDAVIT_API_URL"].startswith('"http://[::1]:')
+    assert lines["NO_PROXY"] == '"::1"'
+
+
+def test_env_with_a_literal_token_takes_the_agent_name_as_given(tmp_path):
+    """With --token nothing is read from the configuration's agents, so a name it does not list is
+    not an error (an agent's shell may have no broker configuration at all)."""
+    done = subprocess.run([AFFIDAVIT, "env", "--agent", "elsewhere", "--token", "t0k"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0 and 'HTTPS_PROXY="http://elsewhere:t0k@' in done.stdout, done.stderr
+
+
+def test_read_commands_accept_a_sqlite_uri_filename(tmp_path):
+    """A SQLite URI filename is not a path to test for existence; only a plain path that does not
+    exist is reported missing."""
+    from proxy.cli_operator import with_engine
+
+    journal = tmp_path / "j.db"
+    journal.write_bytes(b"")
+    settings = load_settings(write(tmp_path, good(tmp_path).replace(f"sqlite+aiosqlite:///{tmp_path / 'j.db'}",
+                                                                       f"sqlite+aiosqlite:///file:{journal}?uri=true")))
+
+    async def work(engine):
+        from sqlalchemy import text
+        async with engine.connect() as conn:
+            return (await conn.execute(text("SELECT 1"))).scalar()
+
+    assert with_engine(settings, work) == 1
