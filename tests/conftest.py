@@ -57,13 +57,19 @@ def pg_admin_url() -> str:
     return url
 
 
-def database_url(dialect: str, workdir: Path, request: pytest.FixtureRequest) -> str:
-    """A fresh, empty database of ``dialect`` that is dropped when the test (or module) ends."""
+def database_url(
+    dialect: str, workdir: Path, request: pytest.FixtureRequest, cleanup: list[Callable[[], None]] | None = None
+) -> str:
+    """A fresh, empty database of ``dialect`` that is dropped when the test (or module) ends, or
+    by whoever holds ``cleanup`` (when brokers on it must stop first)."""
     if dialect == "sqlite":
         return f"sqlite+aiosqlite:///{workdir / 'journal.db'}"
     admin = request.getfixturevalue("pg_admin_url")
     url, drop = fresh_database(admin)
-    request.addfinalizer(drop)
+    if cleanup is not None:
+        cleanup.append(drop)
+    else:
+        request.addfinalizer(drop)
     return url
 
 
@@ -152,6 +158,10 @@ BrokerFactory = Callable[..., BrokerProcess]
 def make_broker(tmp_path: Path, pki: TestPKI, upstream: HostileUpstream, request: pytest.FixtureRequest) -> Iterator[BrokerFactory]:
     """Start a broker on the given dialect; every broker is stopped when the test ends."""
     started: list[BrokerProcess] = []
+    # Databases made here are dropped after the brokers stop. A finalizer added while the test
+    # runs would run first (finalizers are last in, first out), dropping a database under a
+    # running broker that keeps reconnecting to it.
+    drops: list[Callable[[], None]] = []
 
     def factory(
         dialect: str = "sqlite",
@@ -167,14 +177,18 @@ def make_broker(tmp_path: Path, pki: TestPKI, upstream: HostileUpstream, request
         workdir = tmp_path / f"broker{len(started)}"
         workdir.mkdir()
         if db_url is None:
-            db_url = like.database_url if like is not None else database_url(dialect, workdir, request)
+            db_url = like.database_url if like is not None else database_url(dialect, workdir, request, drops)
         broker = new_broker(workdir, db_url, pki, routes or standard_routes(upstream), like=like, env=env, **sections)
         started.append(broker)
         return broker.start() if start else broker
 
     yield factory
-    for broker in started:
-        broker.stop()
+    try:
+        for broker in started:
+            broker.stop()
+    finally:
+        for drop in drops:
+            drop()
 
 
 def new_broker(

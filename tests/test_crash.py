@@ -152,7 +152,7 @@ def _start_on(make_broker, upstream, url: str, **kwargs: Any) -> BrokerProcess:
     return make_broker(routes=crash_routes(upstream), db_url=url, **kwargs)
 
 
-def test_an_unreachable_journal_fails_closed_and_the_broker_serves_again_when_it_returns(make_broker, upstream, relayed_pg):
+def test_an_unreachable_journal_fails_closed_and_the_broker_serves_again_when_it_returns(relayed_pg, make_broker, upstream):
     url, relay = relayed_pg
     broker = _start_on(make_broker, upstream, url)
     with broker.client() as client:
@@ -191,7 +191,7 @@ def record_by_key_when_back(broker: BrokerProcess, relay: TcpRelay, key: str) ->
     return record_by_key(broker, key)
 
 
-def test_a_keyed_record_refused_at_the_dispatch_write_is_closed_when_the_journal_returns(make_broker, upstream, relayed_pg):
+def test_a_keyed_record_refused_at_the_dispatch_write_is_closed_when_the_journal_returns(relayed_pg, make_broker, upstream):
     url, relay = relayed_pg
     broker = _start_on(make_broker, upstream, url, env={"AFFIDAVIT_FAILPOINTS": "during_tls=pause:1.5@1"})
     key = f"jr-{time.monotonic_ns()}"
@@ -235,7 +235,7 @@ def test_a_read_only_database_fails_closed(make_broker, upstream, pg_admin_url):
         drop()
 
 
-def test_a_result_that_cannot_be_stored_is_delivered_flagged_and_recorded_later(make_broker, upstream, relayed_pg):
+def test_a_result_that_cannot_be_stored_is_delivered_flagged_and_recorded_later(relayed_pg, make_broker, upstream):
     url, relay = relayed_pg
     broker = _start_on(make_broker, upstream, url, env={"AFFIDAVIT_FAILPOINTS": "after_dispatch_commit=pause:1@1"})
     result: dict[str, httpx.Response] = {}
@@ -301,7 +301,7 @@ def _no_request_without_its_record(broker: BrokerProcess, upstream: HostileUpstr
     assert told <= recorded, "an invocation id given to a caller has no record"
 
 
-def test_cutting_the_database_during_load_loses_nothing(make_broker, upstream, relayed_pg):
+def test_cutting_the_database_during_load_loses_nothing(relayed_pg, make_broker, upstream):
     url, relay = relayed_pg
     broker = _start_on(make_broker, upstream, url)
     cutter = threading.Timer(1.0, relay.cut)

@@ -44,6 +44,8 @@ def wait_gone(pids: list[int], timeout: float = 10) -> list[int]:
 
 @pytest.fixture
 def pg_url(request, tmp_path):
+    """Ask for it before make_broker: fixtures are torn down last in, first out, and the database
+    must be dropped after the brokers on it have stopped."""
     return database_url("postgresql", tmp_path, request)
 
 
@@ -77,7 +79,7 @@ def test_workers_share_one_port_one_ca_and_one_journal(make_broker, upstream, di
             assert counted == sent, text
 
 
-def test_a_worker_killed_mid_request_is_restarted_and_its_record_recovered(make_broker, upstream, pg_url):
+def test_a_worker_killed_mid_request_is_restarted_and_its_record_recovered(pg_url, make_broker, upstream):
     broker = make_broker(db_url=pg_url, proxy={"workers": 2}, env={"AFFIDAVIT_FAILPOINTS": "after_dispatch_commit=kill"})
     before = worker_pids(broker)
     with broker.client() as client:
@@ -97,7 +99,7 @@ def test_a_worker_killed_mid_request_is_restarted_and_its_record_recovered(make_
     assert broker.proc is not None and broker.proc.poll() is None
 
 
-def test_a_worker_that_keeps_dying_stops_the_broker(make_broker, upstream, pg_url):
+def test_a_worker_that_keeps_dying_stops_the_broker(pg_url, make_broker, upstream):
     broker = make_broker(db_url=pg_url, proxy={"workers": 2}, env={"AFFIDAVIT_FAILPOINTS": "after_dispatch_commit=kill"})
     assert broker.proc is not None
     deadline = time.monotonic() + 90
@@ -113,7 +115,7 @@ def test_a_worker_that_keeps_dying_stops_the_broker(make_broker, upstream, pg_ur
     assert upstream.effects == 0
 
 
-def test_sigterm_stops_every_worker_and_a_killed_supervisor_leaves_none(make_broker, upstream, pg_url):
+def test_sigterm_stops_every_worker_and_a_killed_supervisor_leaves_none(pg_url, make_broker, upstream):
     broker = make_broker(db_url=pg_url, proxy={"workers": 2})
     pids = worker_pids(broker)
     assert broker.stop() == 0
@@ -127,7 +129,7 @@ def test_sigterm_stops_every_worker_and_a_killed_supervisor_leaves_none(make_bro
         assert probe.connect_ex(("127.0.0.1", broker.proxy_port)) != 0
 
 
-def test_workers_refuse_a_taken_port(make_broker, upstream, pg_url):
+def test_workers_refuse_a_taken_port(pg_url, make_broker, upstream):
     broker = make_broker(db_url=pg_url, proxy={"workers": 2}, start=False)
     assert broker.command("db", "upgrade").returncode == 0
     with socket.socket() as holder:
@@ -140,7 +142,7 @@ def test_workers_refuse_a_taken_port(make_broker, upstream, pg_url):
     assert "ready" not in done.stdout
 
 
-def test_a_worker_that_fails_to_start_stops_the_start(make_broker, upstream, pg_url):
+def test_a_worker_that_fails_to_start_stops_the_start(pg_url, make_broker, upstream):
     broker = make_broker(db_url=pg_url, start=False, env={"AFFIDAVIT_FAILPOINTS": "worker_start=raise"})
     assert broker.command("db", "upgrade").returncode == 0
     done = subprocess.run([AFFIDAVIT, "run", "--config", str(broker.config_path), "--workers", "2"], cwd=broker.workdir,
