@@ -463,6 +463,8 @@ class Broker:
         headers = [(k, v) for k, v in req.headers if k.lower() not in HOP_BY_HOP and k.lower() not in forbidden]
         needles: list[bytes] = []
         if route.credential is not None and route.inject is not None:
+            # Which secret the route uses is on the record even when it cannot be had (no version then).
+            entry.credential = (route.credential, None, route.inject.method)
             try:
                 credential = await self.credentials.get(route.credential)
             except CredentialUnavailable as exc:

@@ -103,6 +103,7 @@ def test_a_credential_that_is_not_there_is_credential_missing_and_nothing_is_sen
     assert (record["stage"], record["phase"], record["outcome"], record["code"]) == (
         "ended_not_attempted", "credential_injection", "not_attempted", "CREDENTIAL_MISSING")
     assert record["caller_disposition"] == "completed" and record["evidence"]["dispatch_started"] is False
+    assert record["credential"] == {"id": name, "version": None, "injection": "header"}, "which secret, for the operator"
     assert kinds(record) == ["ACTION_ACCEPTED", "PREFLIGHT_VALIDATED", "FAILED"]
     assert expected_diagnostic in failed_event(record)["data"]["diagnostic"], "the operator is told which source"
     assert "diagnostic" not in failed_event(broker.invocation(invocation_id))["data"], "the agent is not"
