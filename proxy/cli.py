@@ -131,7 +131,11 @@ def ca(config: ConfigOption = None, pem: Annotated[bool, typer.Option(help="Prin
     settings = _settings(config)
     path = ca_path(settings)
     if not path.is_file():
-        typer.echo(f"affidavit: {path} does not exist yet; it is created on the first `affidavit run`.", err=True)
+        typer.echo(
+            f"affidavit: no CA at {path}: the first `affidavit run` with this configuration creates it. "
+            "If the broker runs elsewhere, run this in its directory or pass its --config.",
+            err=True,
+        )
         raise typer.Exit(1)
     typer.echo(path.read_text() if pem else str(path))
 

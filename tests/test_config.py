@@ -240,3 +240,10 @@ def test_read_commands_accept_a_sqlite_uri_filename(tmp_path):
             return (await conn.execute(text("SELECT 1"))).scalar()
 
     assert with_engine(settings, work) == 1
+
+
+def test_affidavit_ca_without_a_ca_says_where_it_looked_and_what_to_do(tmp_path):
+    path = write(tmp_path, good(tmp_path))
+    done = subprocess.run([AFFIDAVIT, "ca", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 1 and done.stdout == ""
+    assert f"no CA at {tmp_path / '.affidavit' / 'mitmproxy-ca-cert.pem'}" in done.stderr and "pass its --config" in done.stderr, done.stderr
