@@ -175,9 +175,12 @@ def create_app(
         if stored is None:
             _, events = await queries.events_of(engine, invocation_id, journal.decode_payload)
             view = describe(row, events)
+            code = Code(view["code"]) if view["code"] else Code.REMOTE_OUTCOME_UNKNOWN
+            if view["outcome"] in _DECIDED and code is not Code.RESULT_STORE_FAILED:
+                code = Code.RESULT_UNAVAILABLE  # decided (by reconciliation), but no response was stored
             body = envelope(
                 invocation_id,
-                Code(view["code"]) if view["code"] else Code.REMOTE_OUTCOME_UNKNOWN,
+                code,
                 Phase(view["phase"]),
                 Outcome(view["outcome"]),
                 Retry(view["retry"]) if view["retry"] else Retry.BACKOFF,
@@ -261,10 +264,10 @@ def create_app(
     @app.get("/v1/invocations", tags=["invocations"], summary="List invocations (operator)")
     async def list_invocations(
         _who: Annotated[Principal, Depends(operator_only)],
-        outcome: Annotated[str | None, Query(description="not_attempted, rejected, committed, unknown")] = None,
-        phase: str | None = None,
+        outcome: Annotated[Outcome | None, Query(description="an outcome; anything else is a 422")] = None,
+        phase: Annotated[Phase | None, Query(description="a phase; anything else is a 422")] = None,
         route: str | None = None,
-        code: str | None = None,
+        code: Annotated[Code | None, Query(description="a code; anything else is a 422")] = None,
         agent: str | None = None,
         since_hours: Annotated[float | None, Query(gt=0)] = None,
         before: Annotated[str | None, Query(description="page: the last invocation_id of the previous page")] = None,
@@ -272,7 +275,8 @@ def create_app(
     ) -> dict[str, Any]:
         since = datetime.now(UTC) - timedelta(hours=since_hours) if since_hours else None
         rows = await queries.list_invocations(
-            engine, agent=agent, outcome=outcome, phase=phase, route=route, code=code, since=since, before=before, limit=limit
+            engine, agent=agent, outcome=outcome and outcome.value, phase=phase and phase.value, route=route,
+            code=code and code.value, since=since, before=before, limit=limit,
         )
         items = [
             {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in row.items()
@@ -284,7 +288,14 @@ def create_app(
     return app
 
 
+_DECIDED = frozenset({Outcome.COMMITTED.value, Outcome.REJECTED.value, Outcome.PARTIAL_EFFECT.value})
+
+
 def _no_result_message(outcome: str) -> str:
+    if outcome in _DECIDED:
+        return (f"The outcome is {outcome}, but no response was stored to replay: an operator's reconciliation "
+                "decided it (its RECONCILED event in GET /v1/invocations/{id} says how), or the result could not be "
+                "stored. The record is the answer; do not re-send.")
     if outcome == Outcome.NOT_ATTEMPTED.value:
         return "There is no result: the request was never sent."
     if outcome == Outcome.UNKNOWN.value:

@@ -56,6 +56,11 @@ class Identity:
     def retention_open(self, now: datetime) -> bool:
         return self.idempotency_expires_at is None or now < self.idempotency_expires_at
 
+    def may_resend(self, now: datetime, generation: int) -> bool:
+        """Whether a repeat with the same key could still be sent: the remote contract's retention
+        is open and the retry budget is not used up (else the repeat is RETRY_BUDGET_EXHAUSTED)."""
+        return self.retention_open(now) and generation < self.retry_budget
+
 
 def identity_of(row: dict[str, Any]) -> Identity:
     """The stored identity of an invocation (as accepted; later config changes do not alter it)."""
@@ -183,7 +188,7 @@ class InvocationLog:
     def projection(self, now: datetime | None = None) -> dict[str, Any]:
         now = now or utcnow()
         record = self.record
-        retry = retry_hint(record, self.identity.operation, retention_open=self.identity.retention_open(now))
+        retry = retry_hint(record, self.identity.operation, retention_open=self.identity.may_resend(now, self.generation))
         return {
             "updated_at": now,
             "stage": record.stage.value,

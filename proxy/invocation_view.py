@@ -35,6 +35,11 @@ def retention_open(row: dict[str, Any], now: datetime) -> bool:
     return now < expires
 
 
+def may_resend(row: dict[str, Any], now: datetime) -> bool:
+    """A repeat with the same key could still be sent: retention open, retry budget not used up."""
+    return retention_open(row, now) and row.get("generation", 0) < row.get("retry_budget", 0)
+
+
 def operation_of(row: dict[str, Any]) -> Operation:
     return Operation(idempotent=bool(row["idempotent"]), remote_contract=bool(row["remote_contract"]), fingerprint=row["fingerprint"])
 
@@ -50,7 +55,7 @@ def describe(
     now = now or datetime.now(UTC)
     record: Record = project(events)
     operation = operation_of(row)
-    retry = retry_hint(record, operation, retention_open=retention_open(row, now))
+    retry = retry_hint(record, operation, retention_open=may_resend(row, now))
     next_action = decide(record, retry, operation, row["fingerprint"])
     complete = next((e for e in reversed(events) if e.kind is EventKind.REMOTE_RESPONSE_COMPLETE), None)
     evidence: dict[str, Any] = {

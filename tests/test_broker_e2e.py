@@ -258,6 +258,8 @@ def test_side_api_isolates_agents_and_hides_unknown_ids(broker: BrokerProcess, u
         listing = _seen(api.get("/v1/invocations", params={"route": "payments.create"})).json()
         assert invocation_id in [item["invocation_id"] for item in listing["items"]]
         assert all(item["created_at"].endswith("+00:00") for item in listing["items"]), "UTC, with its offset, on both dialects"
+        for bogus in ({"outcome": "bogus"}, {"phase": "nowhere"}, {"code": "NOT_A_CODE"}):
+            assert _seen(api.get("/v1/invocations", params=bogus)).status_code == 422, bogus
         assert _seen(api.get("/openapi.json")).status_code == 200
 
 

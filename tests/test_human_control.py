@@ -94,6 +94,12 @@ def test_a_repeat_of_a_reconciled_invocation_says_there_is_nothing_to_replay(bro
     assert body["invocation_id"] == invocation_id and "reconciled as committed" in body["error"]["message"]
     assert again.headers["affidavit-code"] == "RESULT_UNAVAILABLE" and again.headers["affidavit-outcome"] == "committed"
     assert len(sent(upstream)) == before, "a reconciled invocation is never re-sent"
+    with broker.api() as api:  # the side API says the same as the repeat, not "outcome unknown"
+        fetched = api.get(f"/v1/invocations/{invocation_id}/result")
+    body = check_envelope(fetched.content)
+    assert fetched.status_code == 409 and fetched.headers["affidavit-code"] == "RESULT_UNAVAILABLE"
+    assert (body["error"]["code"], body["error"]["outcome"]) == ("RESULT_UNAVAILABLE", "committed")
+    assert "RECONCILED" in body["error"]["message"] and "do not re-send" in body["error"]["message"]
 
 
 def test_a_reconciliation_cannot_claim_not_attempted_or_touch_an_undispatched_record(broker, upstream):

@@ -210,7 +210,9 @@ def test_the_retry_budget_is_durable_across_a_restart(broker, upstream):
         first = post(client, url, k)
         second = post(client, url, k)  # the one re-send the budget allows
         third = post(client, url, k)
-    assert check_envelope(second.content)["error"]["outcome"] == "unknown"
+    assert check_envelope(first.content)["error"]["retry"] == "same_idempotency_key"
+    # The re-send that used the budget up: another repeat could only be refused, so it says so.
+    assert (check_envelope(second.content)["error"]["outcome"], check_envelope(second.content)["error"]["retry"]) == ("unknown", "reconcile")
     exhausted = check_envelope(third.content)
     assert third.status_code == 429 and exhausted["error"]["code"] == "RETRY_BUDGET_EXHAUSTED"
     assert exhausted["evidence"]["dispatch_started"] is True and len(exhausted["evidence"]["attempts"]) == 2
@@ -222,6 +224,9 @@ def test_the_retry_budget_is_durable_across_a_restart(broker, upstream):
     assert len(sent(upstream)) == 2
     invocation_id = check_envelope(first.content)["invocation_id"]
     assert query(broker.database_url, f"SELECT generation, retry_budget FROM invocations WHERE invocation_id = '{invocation_id}'") == [("1", "1")]
+    record = broker.invocation(invocation_id)
+    assert (record["retry"], record["next_action"]) == ("reconcile", "reconcile"), "not retry_same_key: that repeat gets a 429"
+    assert record["retry_budget"] == {"budget": 1, "used": 1}
 
 
 # -- several brokers, one PostgreSQL -----------------------------------------------------------
