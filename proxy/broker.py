@@ -388,7 +388,8 @@ class Broker:
         if len(req.body) > limit:
             return (
                 Code.PAYLOAD_LIMIT,
-                f"The request body is {len(req.body)} bytes; route '{route.name}' accepts at most {limit}. Nothing was sent.",
+                f"The request body is {len(req.body)} bytes; route '{route.name}' accepts at most {limit}. Nothing was sent. "
+                "Send a smaller body, or ask an operator to raise the route's max_body if this size is legitimate.",
             )
         sent = req.header(route.inject.target_header) if route.inject is not None else None
         if route.inject is not None and sent is not None and sent != route.inject.placeholder:
@@ -1202,16 +1203,19 @@ def _provisional_end(entry: InvocationLog) -> tuple[Outcome, Retry]:
     return record.outcome, retry
 
 
+_RETRY_LATER = " Retrying later is safe; if it persists, an operator should check the route's host, port or connect_to."
+_CERTIFICATE = " Do not retry until an operator has checked the upstream's certificate or the route's ca_bundle."
+
 _MESSAGES = {
-    Code.DNS_FAILED: "The upstream host name did not resolve. Nothing was sent.",
-    Code.CONNECT_REFUSED: "The upstream refused the connection. Nothing was sent.",
-    Code.CONNECT_FAILED: "The upstream could not be reached. Nothing was sent.",
-    Code.CONNECT_TIMEOUT: "The connection to the upstream was not established in time. Nothing was sent.",
-    Code.TLS_HANDSHAKE_FAILED: "The TLS handshake with the upstream failed. Nothing was sent.",
-    Code.TLS_CERT_INVALID: "The upstream's certificate failed verification. Nothing was sent.",
-    Code.TLS_CERT_UNTRUSTED: "The upstream's certificate is not issued by a trusted CA. Nothing was sent.",
-    Code.TLS_CERT_EXPIRED: "The upstream's certificate has expired or is not yet valid. Nothing was sent.",
-    Code.TLS_HOSTNAME_MISMATCH: "The upstream's certificate is not valid for this host name. Nothing was sent.",
+    Code.DNS_FAILED: "The upstream host name did not resolve. Nothing was sent." + _RETRY_LATER,
+    Code.CONNECT_REFUSED: "The upstream refused the connection. Nothing was sent." + _RETRY_LATER,
+    Code.CONNECT_FAILED: "The upstream could not be reached. Nothing was sent." + _RETRY_LATER,
+    Code.CONNECT_TIMEOUT: "The connection to the upstream was not established in time. Nothing was sent." + _RETRY_LATER,
+    Code.TLS_HANDSHAKE_FAILED: "The TLS handshake with the upstream failed. Nothing was sent." + _RETRY_LATER,
+    Code.TLS_CERT_INVALID: "The upstream's certificate failed verification. Nothing was sent." + _CERTIFICATE,
+    Code.TLS_CERT_UNTRUSTED: "The upstream's certificate is not issued by a trusted CA. Nothing was sent." + _CERTIFICATE,
+    Code.TLS_CERT_EXPIRED: "The upstream's certificate has expired or is not yet valid. Nothing was sent." + _CERTIFICATE,
+    Code.TLS_HOSTNAME_MISMATCH: "The upstream's certificate is not valid for this host name. Nothing was sent." + _CERTIFICATE,
     Code.REMOTE_OUTCOME_UNKNOWN: "The connection ended before a complete response was recorded. The request was "
     "sent, so the effect is unknown: do not blindly re-send; follow the retry hint.",
     Code.REMOTE_RESULT_INCOMPLETE: "The response ended before its framing was complete; the partial body is not a "
