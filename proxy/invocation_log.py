@@ -141,12 +141,10 @@ class InvocationLog:
         return event
 
     def adopt(self, events: list[Event]) -> None:
-        """Fold events another process appended (an operator's decision) into this log."""
+        """Fold events another process appended (an operator's decision) into this log. An end
+        among them was logged and counted where it was appended, so not again here."""
         for event in events:
-            was_ended = self.record.ended
             self.record = apply(self.record, event)
-            if self.record.ended and not was_ended:
-                self._log_end()
 
     def _log_end(self) -> None:
         """One structured line per ended attempt: what happened, never anything secret.

@@ -218,6 +218,9 @@ def test_a_denied_request_is_not_attempted_and_sends_nothing(broker, upstream):
         "APPROVAL_DENIED", "credential_injection", "not_attempted")
     assert sent(upstream) == []
     assert "CREDENTIAL_AUTHORIZED" not in [e["kind"] for e in broker.invocation(card["invocation_id"])["events"]]
+    time.sleep(0.3)  # the lines are written a loop turn or two after the end
+    ended = [line for line in broker.logs().splitlines() if card["invocation_id"] in line and '"invocation ended"' in line]
+    assert len(ended) == 1, "one end, logged and counted once (by whoever appended it, not again by the holder)"
 
 
 def test_no_decision_in_time_is_not_attempted_with_the_reason(make_broker, upstream):
