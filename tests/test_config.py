@@ -247,3 +247,17 @@ def test_affidavit_ca_without_a_ca_says_where_it_looked_and_what_to_do(tmp_path)
     done = subprocess.run([AFFIDAVIT, "ca", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 1 and done.stdout == ""
     assert f"no CA at {tmp_path / '.affidavit' / 'mitmproxy-ca-cert.pem'}" in done.stderr and "pass its --config" in done.stderr, done.stderr
+
+
+def test_the_test_brokers_first_start_moves_off_a_port_taken_meanwhile(make_broker):
+    """Test infrastructure: parallel workers can take a port between free_port() and the broker's
+    bind; the first start then moves to new ports instead of failing the test."""
+    broker = make_broker("sqlite", start=False)
+    taken = broker.proxy_port
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", taken))
+        holder.listen(1)
+        broker.start()
+    assert broker.proxy_port != taken and broker.starts == 1
+    with broker.client() as client:
+        assert client.get("https://unknown.example.test/x").status_code == 403
