@@ -161,14 +161,21 @@ class AgentAuth:
         self._tokens = {name: token.encode() for name, token in tokens.items()}
         self._by_client: dict[str, str] = {}
 
-    def authenticate(self, header: str | None) -> str | None:
+    @staticmethod
+    def _basic(header: str | None) -> tuple[str, str, str] | None:
+        """(agent, ":", token) of ``Basic base64(agent:token)``; None when it is not that."""
         if not header or not header.lower().startswith("basic "):
             return None
         try:
-            decoded = base64.b64decode(header[6:].strip(), validate=True).decode("utf-8")
+            return base64.b64decode(header[6:].strip(), validate=True).decode("utf-8").partition(":")
         except ValueError:  # not base64 (binascii.Error), not ASCII, not UTF-8
             return None
-        agent, sep, token = decoded.partition(":")
+
+    def authenticate(self, header: str | None) -> str | None:
+        basic = self._basic(header)
+        if basic is None:
+            return None
+        agent, sep, token = basic
         expected = self._tokens.get(agent)
         # Compare against something even for unknown agents, so timing reveals nothing.
         if not sep or not hmac.compare_digest(token.encode(), expected or b"\0" * 32) or expected is None:
@@ -183,16 +190,13 @@ class AgentAuth:
         header = flow.request.headers.get("Proxy-Authorization")
         if not header:
             return auth_required()
-        claimed = ""
-        try:
-            claimed = base64.b64decode(header.partition(" ")[2].strip(), validate=True).decode("utf-8").partition(":")[0]
-        except ValueError:
-            pass
-        who = f"agent {claimed!r}" if claimed in self._tokens else "an agent name this broker does not know"
+        basic = self._basic(header)
+        known = basic[0] if basic is not None and basic[0] in self._tokens else None
+        who = f"agent {known!r}" if known else "an agent name this broker does not know"
         peer = flow.client_conn.peername
         log.warning(
             "proxy credentials rejected for %s from %s", who, peer[0] if peer else "?",
-            extra={"agent": claimed if claimed in self._tokens else None, "code": Code.PROXY_AUTH_REQUIRED.value},
+            extra={"agent": known, "code": Code.PROXY_AUTH_REQUIRED.value},
         )
         return credentials_rejected()
 

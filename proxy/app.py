@@ -95,6 +95,7 @@ def env_lines(settings: Settings, agent: str | None = None, token: str | None = 
     proxy = f"http://{name}:{secret}@{host}:{port}"
     ca = ca_path(settings)
     api_host, api_port = _reachable(settings.api.listen)
+    exempt = api_host.strip("[]")
     return [
         f'export HTTPS_PROXY="{proxy}"',
         f'export HTTP_PROXY="{proxy}"',
@@ -109,8 +110,8 @@ def env_lines(settings: Settings, agent: str | None = None, token: str | None = 
         f'export AFFIDAVIT_API_URL="http://{api_host}:{api_port}"',
         # The side API is called directly, never through the proxy (which would refuse it as a
         # target no route allows). curl, requests, httpx and Node all read NO_PROXY.
-        f'export NO_PROXY="{api_host.strip("[]")}"',
-        f'export no_proxy="{api_host.strip("[]")}"',
+        f'export NO_PROXY="{exempt}"',
+        f'export no_proxy="{exempt}"',
     ]
 
 
@@ -175,10 +176,9 @@ async def serve(
     opts = options.Options(listen_host=listen_host, listen_port=listen_port, confdir=str(settings.proxy.confdir))
     ready = asyncio.Event()
     largest = max([int(r.max_body) for r in settings.routes if r.max_body is not None] + [int(settings.proxy.max_body)])
-    install_core_refusals(largest + 1024 * 1024)
-    master = lean_master(
-        opts, BrokerAddon(broker, AgentAuth(tokens), on_running=ready.set), body_size_limit=str(largest + 1024 * 1024)
-    )
+    core_limit = largest + 1024 * 1024  # what mitmproxy reads at most, before any hook
+    install_core_refusals(core_limit)
+    master = lean_master(opts, BrokerAddon(broker, AgentAuth(tokens), on_running=ready.set), body_size_limit=str(core_limit))
 
     api_host, api_port = parse_listen(settings.api.listen)
     api = uvicorn.Server(

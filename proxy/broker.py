@@ -922,7 +922,7 @@ class Broker:
                 return self._journal_unavailable(entry)
         record = entry.record
         code = record.code or Code.REMOTE_OUTCOME_UNKNOWN
-        retry = retry_hint(record, entry.identity.operation, retention_open=entry.identity.may_resend(utcnow(), entry.generation)) or Retry.BACKOFF
+        retry = entry.retry_for(record) or Retry.BACKOFF
         return self._envelope_reply(entry, code, record.phase, record.outcome, retry, _message(code, record.outcome))
 
     async def _close_when_journal_returns(self, invocation_id: str) -> None:
@@ -1199,7 +1199,7 @@ def _provisional_end(entry: InvocationLog) -> tuple[Outcome, Retry]:
     record = entry.record
     if record.dispatch_started and not record.ended:
         record = apply(record, Event(EventKind.FAILED, {"phase": Phase.REMOTE_EXECUTION, "code": Code.REMOTE_OUTCOME_UNKNOWN}))
-    retry = retry_hint(record, entry.identity.operation, retention_open=entry.identity.may_resend(utcnow(), entry.generation)) or Retry.RECONCILE
+    retry = entry.retry_for(record) or Retry.RECONCILE
     return record.outcome, retry
 
 

@@ -11,7 +11,7 @@ import typer
 
 from .cli_operator import approvals_app, invocations_app, metrics, reconcile, settings_or_exit
 from .cli_security import audit_app, keys_app, secrets_app
-from .config import DEFAULT_CONFIG, ConfigError, Settings
+from .config import DEFAULT_CONFIG, ConfigError
 
 app = typer.Typer(
     help="Affidavit: an HTTP(S) forward proxy for AI agents that tells the truth about remote effects.",
@@ -30,9 +30,7 @@ app.add_typer(keys_app, name="keys")
 
 def _version(value: bool) -> None:
     if value:
-        from importlib.metadata import version
-
-        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import PackageNotFoundError, version
 
         try:
             typer.echo(f"affidavit {version('affidavit')}")
@@ -56,10 +54,6 @@ ConfigOption = Annotated[
 ]
 
 
-def _settings(config: Path | None) -> Settings:
-    return settings_or_exit(config)
-
-
 @app.command()
 def run(
     config: ConfigOption = None,
@@ -79,7 +73,7 @@ def run(
         written = write_example(config or DEFAULT_CONFIG)
         if written:
             typer.echo(f"affidavit: wrote an example configuration to {config or DEFAULT_CONFIG} (tokens in .affidavit/)")
-    settings = _settings(config)
+    settings = settings_or_exit(config)
     count = workers if workers is not None else settings.proxy.workers
     try:
         if count > 1 and worker_index is None:
@@ -111,7 +105,7 @@ def env(
     """Print the exports an agent needs (proxy URL and the broker's CA for curl, Python, Node)."""
     from .app import env_lines
 
-    settings = _settings(config)
+    settings = settings_or_exit(config)
     if agent is None and settings.agents:
         agent = settings.agents[0].name
     names = [a.name for a in settings.agents]
@@ -128,7 +122,7 @@ def ca(config: ConfigOption = None, pem: Annotated[bool, typer.Option(help="Prin
     """Print the path of the broker's CA certificate (agents must trust it)."""
     from .app import ca_path
 
-    settings = _settings(config)
+    settings = settings_or_exit(config)
     path = ca_path(settings)
     if not path.is_file():
         typer.echo(
@@ -146,7 +140,7 @@ def db_upgrade(config: ConfigOption = None) -> None:
     from .app import redact_url
     from .store import migrate
 
-    settings = _settings(config)
+    settings = settings_or_exit(config)
     try:
         migrate.upgrade(settings.database.url)
     except Exception as exc:

@@ -18,7 +18,8 @@ from typing import Annotated, Any, Awaitable, Callable, NoReturn, Optional, Type
 import typer
 from sqlalchemy.exc import SQLAlchemyError
 
-from .config import ConfigError, Settings, load_settings
+from .cli_operator import settings_or_exit
+from .config import ConfigError, load_settings
 from .credentials import CredentialUnavailable
 
 T = TypeVar("T")
@@ -47,12 +48,6 @@ def _audit() -> None:
 @keys_app.callback()
 def _keys() -> None:
     """Encryption keys (the crypto.keys setting) for the vault, payloads and results."""
-
-
-def _settings(config: Path | None) -> Settings:
-    from .cli_operator import settings_or_exit
-
-    return settings_or_exit(config)
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:
@@ -110,7 +105,7 @@ def _store(ctx: typer.Context, config: Path | None, name: str, verb: str) -> Non
     from .crypto import KeyRing
 
     value = _read_value(ctx, verb)
-    settings = _settings(config)
+    settings = settings_or_exit(config)
     try:
         ring = KeyRing.from_settings(settings.crypto)
         store = vault.rotate if verb == "rotate" else vault.put
@@ -149,7 +144,7 @@ def secrets_list(config: ConfigOption = None) -> None:
     """Names and versions in the vault (never values)."""
     from . import vault
 
-    settings = _settings(config)
+    settings = settings_or_exit(config)
     listing = _with_engine(settings.database.url, vault.list_secrets)
     if not listing:
         typer.echo("affidavit: the vault is empty; store a secret with `affidavit secrets set NAME`")
@@ -181,7 +176,7 @@ def audit_verify(
         if dump is not None:
             result, source = audit.verify_dump(dump, extra), str(dump)
         else:
-            url = database or _settings(config).database.url
+            url = database or settings_or_exit(config).database.url
             result, source = audit.verify_database(url, extra), redact_url(url)
     except audit.AuditInputError as exc:
         _fail(str(exc), 2)
@@ -216,7 +211,7 @@ def audit_export(
     """Write every event (payload as stored, base64) and checkpoint, for offline verification."""
     from . import audit
 
-    url = database or _settings(config).database.url
+    url = database or settings_or_exit(config).database.url
     try:
         count, marks = audit.export_events(url, out)
     except audit.AuditInputError as exc:

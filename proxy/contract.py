@@ -545,8 +545,9 @@ def project(events: Iterable[Event]) -> Record:
 def retry_hint(record: Record, operation: Operation, *, retention_open: bool = True) -> Retry | None:
     """What automation may do now. ``None`` while the record is still in flight.
 
-    ``retention_open`` is whether the remote idempotency contract's retention window is still
-    open (the caller computes it from the stored expiry and the clock).
+    ``retention_open`` is whether a same-key re-send could still go out: the remote idempotency
+    contract's retention window is still open (the caller computes it from the stored expiry and
+    the clock) and, where the caller knows it, the retry budget is not used up.
     """
     if record.stage is S.DELIVERY_FAILED:
         return Retry.FETCH_RESULT

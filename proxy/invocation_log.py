@@ -19,7 +19,7 @@ from typing import Any
 from ulid import ULID
 
 from . import metrics
-from .contract import Event, EventKind, Operation, Record, apply, retry_hint
+from .contract import Event, EventKind, Operation, Record, Retry, apply, retry_hint
 from .store.journal import EventRow, Fence, Journal, JournalUnavailable, Write, projection_row
 
 log = logging.getLogger("affidavit.invocations")
@@ -183,10 +183,15 @@ class InvocationLog:
             },
         )
 
+    def retry_for(self, record: Record, now: datetime | None = None) -> Retry | None:
+        """The retry hint for ``record`` (this log's, or a provisional end of it): a same-key
+        re-send counts only while the retention is open and the retry budget is not used up."""
+        return retry_hint(record, self.identity.operation, retention_open=self.identity.may_resend(now or utcnow(), self.generation))
+
     def projection(self, now: datetime | None = None) -> dict[str, Any]:
         now = now or utcnow()
         record = self.record
-        retry = retry_hint(record, self.identity.operation, retention_open=self.identity.may_resend(now, self.generation))
+        retry = self.retry_for(record, now)
         return {
             "updated_at": now,
             "stage": record.stage.value,
