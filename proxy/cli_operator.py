@@ -317,10 +317,12 @@ def reconcile(
     reference: Annotated[Optional[str], typer.Option(help="The remote's id for the operation.")] = None,
     note: Optional[str] = None,
     lookup: Annotated[bool, typer.Option("--lookup", help="Ask the remote through the route's declared lookup.")] = False,
+    override: Annotated[bool, typer.Option(
+        "--override", help="The finding contradicts the remote's own complete answer (say, it refunded); refused without this.")] = False,
 ) -> None:
     """Append what is known about an invocation's effect; its original record stays as it was."""
     settings = settings_or_exit(config)
-    body = {"outcome": outcome, "reference": reference, "note": note, "lookup": lookup}
+    body = {"outcome": outcome, "reference": reference, "note": note, "lookup": lookup, "override": override}
     record = call_api(settings, "POST", f"/v1/invocations/{invocation_id}/reconcile", body)
     found = record.get("lookup")
     if found:

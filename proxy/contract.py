@@ -275,6 +275,10 @@ class IllegalTransition(ValueError):
     """An event that cannot follow the record's current stage (the log would lie)."""
 
 
+class ContradictsResponse(IllegalTransition):
+    """A reconciliation that contradicts the remote's complete answer without saying so (override)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Event:
     """One appended fact. ``data`` holds kind-specific, non-secret fields."""
@@ -393,6 +397,15 @@ def _checked_target(record: Record, event: Event) -> Stage | None:
         outcome = Outcome(event.data["outcome"])
         if outcome in (Outcome.NOT_ATTEMPTED, Outcome.UNKNOWN):
             raise IllegalTransition(f"reconciliation cannot claim {outcome}")
+        # The remote's own complete answer is the strongest evidence there is: a finding that
+        # contradicts it (a refund, a wrong status) is allowed only when it says so.
+        if record.response_complete and record.status is not None and not event.data.get("override"):
+            answered = classify_status(record.status)
+            if outcome is not answered:
+                raise ContradictsResponse(
+                    f"the remote's complete answer (status {record.status}) says {answered.value}; "
+                    f"a finding of {outcome.value} contradicts it and needs override"
+                )
     if event.kind is EventKind.REMOTE_RESPONSE_COMPLETE:
         classify_status(int(event.data["status"]))
     return target

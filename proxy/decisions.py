@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .contract import EventKind, IllegalTransition, Outcome, Record, Stage, project
+from .contract import ContradictsResponse, EventKind, IllegalTransition, Outcome, Record, Stage, project
 from .invocation_log import InvocationLog, identity_of
 from .store import queries
 from .store.journal import Journal, LeaseLost
@@ -35,6 +35,10 @@ async def _append(journal: Journal, row: dict[str, Any], kind: EventKind, data: 
     entry.lease_expires_at = row["lease_expires_at"]  # the holder's lease is the holder's: keep it
     try:
         entry.append(kind, **data)
+    except ContradictsResponse as exc:
+        raise DecisionRefused(409, f"invocation {row['invocation_id']}: {exc}. Nothing was changed. If the remote's "
+                                   "answer is not the last word (it undid the operation, or its status was wrong), "
+                                   "send override=true (affidavit reconcile --override).") from None
     except IllegalTransition as exc:
         raise DecisionRefused(409, f"invocation {row['invocation_id']} (stage {entry.record.stage.value}) "
                                    f"cannot take {kind.value}: {exc}") from None
@@ -72,9 +76,14 @@ async def reconcile(
     reference: str | None,
     note: str | None,
     by: str,
+    override: bool = False,
 ) -> Record:
-    """Append what was found out about the effect; the original attempt stays as it was."""
+    """Append what was found out about the effect; the original attempt stays as it was.
+
+    ``override``: the finding may contradict the remote's own complete answer (and says so)."""
     if outcome not in RECONCILABLE:
         raise DecisionRefused(422, f"a reconciliation says committed, rejected or partial_effect, not {outcome.value}")
     data = {"outcome": outcome.value, "certainty": certainty, "reference": reference, "note": note, "by": by}
+    if override:
+        data["override"] = True
     return await _append(journal, row, EventKind.RECONCILED, data)

@@ -15,6 +15,7 @@ from proxy.contract import (
     TRANSITIONS,
     CallerDisposition,
     Code,
+    ContradictsResponse,
     Event,
     EventKind,
     IllegalTransition,
@@ -259,6 +260,18 @@ def test_reconciliation_adds_a_fact_and_keeps_the_caller_disposition():
 def test_reconciliation_cannot_claim_not_attempted_or_unknown(outcome):
     with pytest.raises(IllegalTransition):
         fold([*DISPATCH, failed(Phase.REMOTE_EXECUTION, Code.REMOTE_OUTCOME_UNKNOWN), ev(K.RECONCILED, outcome=outcome, certainty="operator_attested")])
+
+
+@pytest.mark.parametrize(("status", "finding"), [(200, "rejected"), (200, "partial_effect"), (500, "rejected"), (404, "committed")])
+def test_a_finding_against_the_remotes_complete_answer_needs_an_explicit_override(status, finding):
+    answered = fold(complete(status)).outcome
+    with pytest.raises(ContradictsResponse, match="needs override"):
+        fold([*complete(status), ev(K.RECONCILED, outcome=finding, certainty="operator_attested")])
+    overridden = fold([*complete(status), ev(K.RECONCILED, outcome=finding, certainty="operator_attested", override=True)])
+    assert overridden.outcome is Outcome(finding) and overridden.status == status and answered is not overridden.outcome
+    # A finding that agrees with the answer (adding a reference, say) needs no override.
+    agreeing = fold([*complete(status), ev(K.RECONCILED, outcome=answered.value, certainty="remote_query")])
+    assert agreeing.outcome is answered
 
 
 def test_reconciliation_is_only_for_dispatched_records():

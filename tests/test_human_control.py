@@ -117,6 +117,29 @@ def test_a_reconciliation_cannot_claim_not_attempted_or_touch_an_undispatched_re
     assert broker.invocation(unknown)["outcome"] == "unknown"
 
 
+def test_a_finding_against_a_complete_response_is_refused_unless_it_says_override(broker, upstream):
+    with broker.client() as client:
+        answered = client.post(PAY + "/h/status?code=200", content=b'{"amount":5}')
+    assert answered.status_code == 200
+    invocation_id = answered.headers["affidavit-invocation-id"]
+    before = broker.wait_for(invocation_id, lambda r: r["stage"] == "delivered")
+    with broker.operator() as api:
+        refused = api.post(f"/v1/invocations/{invocation_id}/reconcile", json={"outcome": "rejected", "note": "refunded"})
+    assert refused.status_code == 409
+    assert "status 200" in refused.json()["detail"] and "override=true" in refused.json()["detail"]
+    assert broker.invocation(invocation_id, broker.operator_token)["events"] == before["events"], "nothing was appended"
+    done = broker.command("reconcile", invocation_id, "--outcome", "rejected", "--note", "refunded")
+    assert done.returncode != 0 and b"--override" in done.stdout + done.stderr
+    out = cli(broker, "reconcile", invocation_id, "--outcome", "rejected", "--note", "refunded", "--override")
+    assert "outcome rejected (operator_attested)" in out
+    after = broker.invocation(invocation_id, broker.operator_token)
+    assert after["outcome"] == "rejected" and after["evidence"]["response_complete"] is True
+    assert after["events"][:-1] == before["events"]
+    assert after["events"][-1]["kind"] == "RECONCILED" and after["events"][-1]["data"]["override"] is True
+    with broker.operator() as api:  # agreeing with the (now latest) answer needs nothing more
+        assert api.post(f"/v1/invocations/{invocation_id}/reconcile", json={"outcome": "committed"}).status_code == 200
+
+
 def test_reconcile_by_lookup_asks_the_remote_through_the_broker(broker, upstream):
     key = "pay_" + secrets.token_hex(6)
     with broker.client() as client:
@@ -193,7 +216,7 @@ def test_an_approved_request_goes_through_and_the_card_says_exactly_what(broker,
     assert card["target"].startswith("https://ctl-held.example.test:443/h/status")
     assert card["body_bytes"] == len(body) and len(card["body_sha256"]) == 64
     assert card["credential_id"] == "payments-key" and card["credential_version"] == "env"
-    assert card["approves"].startswith("sha256:") and not card.get("retry_of_uncertain_action")
+    assert card["approves"].startswith("sha256:") and card["retry_of_uncertain_action"] is None
     listed = [json.loads(line) for line in cli(broker, "approvals", "list", "--json").splitlines()]
     assert [c["invocation_id"] for c in listed] == [card["invocation_id"]]
     assert card["invocation_id"] in cli(broker, "approvals", "list")
