@@ -58,6 +58,28 @@ def _problem(status: int, title: str, detail: str, headers: dict[str, str] | Non
     )
 
 
+# What each error answer means, for /openapi.json (docs/api.md says the same at more length).
+_ANSWERS = {
+    401: "No bearer token, or one this broker does not know (problem+json)",
+    403: "An agent token on an operator call (problem+json)",
+    404: "No invocation with this id is visible to this token (problem+json)",
+    409: "The record cannot take this now; the detail says why (problem+json)",
+    503: "The journal (database) did not answer; nothing was changed; retry after Retry-After (problem+json)",
+}
+
+
+def answers(*statuses: int, **described: str) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for the listed error statuses (plus ``s409="..."`` overrides)."""
+    meanings = {**_ANSWERS, **{int(k[1:]): v for k, v in described.items()}}
+    return {status: {"description": meanings[status]} for status in statuses}
+
+
+# Every field of an approval card, so that an empty one reads null instead of going missing
+# (the journal leaves None out of event data).
+CARD_FIELDS = ("agent", "route", "method", "target", "body_sha256", "body_bytes", "credential_id",
+               "credential_version", "injection", "approves", "config_digest", "retry_of_uncertain_action")
+
+
 class ReconcileBody(BaseModel):
     """An operator's finding about an invocation's effect (or a request to look it up)."""
 
@@ -67,6 +89,7 @@ class ReconcileBody(BaseModel):
     reference: str | None = Field(default=None, max_length=500, description="the remote's id for the operation")
     note: str | None = Field(default=None, max_length=2000)
     lookup: bool = Field(default=False, description="ask the remote through the route's declared lookup")
+    override: bool = Field(default=False, description="the finding may contradict the remote's own complete answer")
 
 
 class DecisionBody(BaseModel):
@@ -135,7 +158,8 @@ def create_app(
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["health"], summary="Readiness: the journal answers and can write")
+    @app.get("/readyz", tags=["health"], summary="Readiness: the journal answers and can write",
+             responses=answers(503, s503="Not ready: the journal is unreachable or unwritable"))
     async def readyz() -> Response:
         try:
             await asyncio.wait_for(queries.ping(engine), 3.0)
@@ -146,12 +170,13 @@ def create_app(
         last_write = "ok" if journal.healthy else "failed"
         return JSONResponse({"status": "ready", "journal": "ok", "last_write": last_write})
 
-    @app.get("/metrics", tags=["health"], summary="Prometheus metrics (operator)")
+    @app.get("/metrics", tags=["health"], summary="Prometheus metrics (operator)", responses=answers(401, 403))
     async def prometheus(_who: Annotated[Principal, Depends(operator_only)]) -> Response:
         body, content_type = metrics.exposition()
         return Response(content=body, media_type=content_type)
 
-    @app.get("/v1/invocations/{invocation_id}", tags=["invocations"], summary="One invocation's record")
+    @app.get("/v1/invocations/{invocation_id}", tags=["invocations"], summary="One invocation's record",
+             responses=answers(401, 404, 503))
     async def get_invocation(invocation_id: str, who: Annotated[Principal, Depends(principal)]) -> dict[str, Any]:
         row = await visible(invocation_id, who)
         rows, events = await queries.events_of(engine, invocation_id, journal.decode_payload)
@@ -161,7 +186,7 @@ def create_app(
         "/v1/invocations/{invocation_id}/result",
         tags=["invocations"],
         summary="The recorded final response, replayed exactly; never a partial body",
-        responses={409: {"description": "No complete result exists; the body is the contract envelope"}},
+        responses=answers(401, 404, 409, 503, s409="No complete result exists; the body is the contract envelope"),
     )
     async def get_result(invocation_id: str, who: Annotated[Principal, Depends(principal)]) -> Response:
         fast = await reader.fetch(invocation_id) if reader is not None else None
@@ -212,7 +237,8 @@ def create_app(
         return describe(row, events, operator=True, event_times={r["seq"]: r["at"] for r in rows})
 
     @app.post("/v1/invocations/{invocation_id}/reconcile", tags=["operators"],
-              summary="Append what is known about the effect (operator); the original record stays")
+              summary="Append what is known about the effect (operator); the original record stays",
+              responses=answers(401, 403, 404, 409, 503))
     async def reconcile_invocation(
         invocation_id: str, body: ReconcileBody, who: Annotated[Principal, Depends(operator_only)]
     ) -> dict[str, Any]:
@@ -234,7 +260,7 @@ def create_app(
         if outcome is None:
             raise ApiError(422, "Missing outcome", "Give an outcome (committed, rejected, partial_effect) or lookup=true.")
         try:
-            await decisions.reconcile(journal, row, Outcome(outcome), certainty, reference, note, "operator")
+            await decisions.reconcile(journal, row, Outcome(outcome), certainty, reference, note, "operator", body.override)
         except decisions.DecisionRefused as exc:
             raise ApiError(exc.status, "Refused", exc.message) from None
         result = await view(invocation_id)
@@ -242,17 +268,20 @@ def create_app(
             result["lookup"] = {**lookup, "finding": lookup["finding"].value}
         return result
 
-    @app.get("/v1/approvals", tags=["operators"], summary="Requests held for an operator's approval")
+    @app.get("/v1/approvals", tags=["operators"], summary="Requests held for an operator's approval",
+             responses=answers(401, 403, 503))
     async def list_approvals(_who: Annotated[Principal, Depends(operator_only)]) -> dict[str, Any]:
         cards = []
         for row in await queries.held(engine):
             _, events = await queries.events_of(engine, row["invocation_id"], journal.decode_payload)
             card = next((e.data for e in reversed(events) if e.kind.value == "APPROVAL_REQUESTED"), None)
             if card is not None:
-                cards.append({"invocation_id": row["invocation_id"], "requested_at": iso(row["updated_at"]), **card})
+                cards.append({"invocation_id": row["invocation_id"], "requested_at": iso(row["updated_at"]),
+                              **dict.fromkeys(CARD_FIELDS), **card})
         return {"items": cards}
 
-    @app.post("/v1/approvals/{invocation_id}", tags=["operators"], summary="Approve or deny a held request")
+    @app.post("/v1/approvals/{invocation_id}", tags=["operators"], summary="Approve or deny a held request",
+              responses=answers(401, 403, 404, 409, 503))
     async def decide(invocation_id: str, body: DecisionBody, who: Annotated[Principal, Depends(operator_only)]) -> dict[str, Any]:
         row = await visible(invocation_id, who)
         try:
@@ -261,7 +290,8 @@ def create_app(
             raise ApiError(exc.status, "Refused", exc.message) from None
         return await view(invocation_id)
 
-    @app.get("/v1/invocations", tags=["invocations"], summary="List invocations (operator)")
+    @app.get("/v1/invocations", tags=["invocations"], summary="List invocations (operator)",
+             responses=answers(401, 403, 503))
     async def list_invocations(
         _who: Annotated[Principal, Depends(operator_only)],
         outcome: Annotated[Outcome | None, Query(description="an outcome; anything else is a 422")] = None,
