@@ -350,7 +350,9 @@ class Broker:
         request_fingerprint = fingerprint(req.method, target, req.body, req.headers)
         refusal = self._preflight(matched, req)
         if refusal is not None or route is None:
-            entry = self._new_entry(req, route, target, request_fingerprint)
+            # A method refusal is recorded (and counted) under the route the agent was using.
+            recorded_under = matched.route if isinstance(matched, Refusal) else route
+            entry = self._new_entry(req, recorded_under, target, request_fingerprint)
             code, message = refusal if refusal is not None else (Code.INVALID_TARGET, "")
             return await self._refuse(entry, Phase.VALIDATION, code, message)
 
@@ -669,6 +671,8 @@ class Broker:
             (CODE_HEADER, code.value),
             *should_retry(retry),
         ]
+        if row["idempotency_key"]:
+            headers.append((IDEMPOTENCY_KEY_HEADER, row["idempotency_key"]))
         return Reply(status_for(code), headers, encode(body), row["invocation_id"])
 
     # -- reconciliation by lookup ------------------------------------------------------------

@@ -12,6 +12,8 @@ from .contract import Code
 class Refusal:
     code: Code
     message: str
+    #: The route that matched target, path and agent but not the method (UNSUPPORTED_ACTION).
+    route: Route | None = None
 
 
 def match_route(
@@ -38,4 +40,5 @@ def match_route(
     return Refusal(
         Code.UNSUPPORTED_ACTION,
         f"{method.upper()} is not allowed on {target} (allowed: {', '.join(allowed)}). Nothing was sent.",
+        mine[0],
     )

@@ -238,6 +238,14 @@ def test_refusals_are_recorded_envelopes_and_send_nothing(broker: BrokerProcess,
         assert [e["kind"] for e in record["events"]][-1] == "FAILED"
         assert "DISPATCH_STARTED" not in [e["kind"] for e in record["events"]]
     assert "review.example.test" not in no_route["error"]["message"]
+    # A method the route does not allow is on that route's record (and counted under it).
+    assert broker.invocation(method["invocation_id"])["route"] == "payments.create"
+    assert broker.invocation(no_route["invocation_id"])["route"] is None
+    with broker.operator() as api:
+        exposition = _seen(api.get("/metrics")).text
+    counted = [line for line in exposition.splitlines() if line.startswith("affidavit_invocations_total{")
+               and 'code="UNSUPPORTED_ACTION"' in line]
+    assert counted and all('route="payments.create"' in line for line in counted), exposition
 
 
 def test_side_api_isolates_agents_and_hides_unknown_ids(broker: BrokerProcess, upstream: HostileUpstream):

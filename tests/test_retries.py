@@ -96,6 +96,21 @@ def test_the_same_key_with_a_different_body_is_refused_locally(broker, upstream)
     assert len(sent(upstream)) == 1 and upstream.effects == 1
 
 
+def test_a_request_refused_before_its_key_is_bound_leaves_the_key_free(broker, upstream):
+    k = key()
+    with broker.client() as client:
+        refused = client.post(PAY + "/h/idem_honour?code=201", content=b'{"amount":100}',
+                              headers={"Idempotency-Key": k, "Authorization": "Bearer mine"})
+        corrected = post(client, PAY + "/h/idem_honour?code=201", k)
+    body = check_envelope(refused.content)
+    assert body["error"]["code"] == "FORBIDDEN_HEADER_OVERRIDE" and body["error"]["retry"] == "after_correction"
+    assert body["evidence"]["idempotency"]["key"] is None, "a validation refusal binds no key"
+    assert corrected.status_code == 201 and "affidavit-replayed" not in corrected.headers
+    assert corrected.headers["affidavit-invocation-id"] != body["invocation_id"]
+    assert corrected.headers["affidavit-idempotency-key"] == k
+    assert len(sent(upstream)) == 1 and sent(upstream)[0].header("Authorization") != "Bearer mine"
+
+
 def test_a_repeat_while_in_flight_gets_409_and_sends_nothing(broker, upstream):
     k = key()
     results: dict[str, httpx.Response] = {}
@@ -112,6 +127,7 @@ def test_a_repeat_while_in_flight_gets_409_and_sends_nothing(broker, upstream):
     thread.join(10)
     assert second.status_code == 409
     assert check_envelope(second.content)["error"]["code"] == "IDEMPOTENCY_IN_PROGRESS"
+    assert second.headers["affidavit-idempotency-key"] == k, "every answer about a keyed operation names its key"
     assert results["first"].status_code == 200
     assert len(sent(upstream)) == 1 and upstream.effects == 1
 
