@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from .cli_operator import approvals_app, invocations_app, metrics, reconcile, settings_or_exit
+from .cli_operator import ConfigOption, approvals_app, invocations_app, metrics, reconcile, settings_or_exit
 from .cli_security import audit_app, keys_app, secrets_app
 from .config import DEFAULT_CONFIG, ConfigError
 
@@ -48,12 +47,6 @@ def _main(
     """Affidavit: an HTTP(S) forward proxy for AI agents that tells the truth about remote effects."""
 
 
-ConfigOption = Annotated[
-    Optional[Path],
-    typer.Option("--config", "-c", envvar="AFFIDAVIT_CONFIG", help="TOML configuration file (default ./affidavit.toml)."),
-]
-
-
 @app.command()
 def run(
     config: ConfigOption = None,
@@ -73,7 +66,7 @@ def run(
         written = write_example(config or DEFAULT_CONFIG)
         if written:
             typer.echo(f"affidavit: wrote an example configuration to {config or DEFAULT_CONFIG} (tokens in .affidavit/)")
-    settings = settings_or_exit(config)
+    settings = settings_or_exit(config, quiet=worker_index is not None)
     count = workers if workers is not None else settings.proxy.workers
     try:
         if count > 1 and worker_index is None:

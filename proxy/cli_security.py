@@ -18,17 +18,11 @@ from typing import Annotated, Any, Awaitable, Callable, NoReturn, Optional, Type
 import typer
 from sqlalchemy.exc import SQLAlchemyError
 
-from .cli_operator import settings_or_exit
+from .cli_operator import ConfigOption, settings_or_exit
 from .config import ConfigError, load_settings
 from .credentials import CredentialUnavailable
 
 T = TypeVar("T")
-
-# Same option as proxy.cli (copied, not imported: proxy.cli imports this module to register it).
-ConfigOption = Annotated[
-    Optional[Path],
-    typer.Option("--config", "-c", envvar="AFFIDAVIT_CONFIG", help="TOML configuration file (default ./affidavit.toml)."),
-]
 
 secrets_app = typer.Typer(help="Secrets in the encrypted vault (values from stdin or a prompt, never argv).", no_args_is_help=True)
 audit_app = typer.Typer(help="The audit hash chain: verify offline without any key, export.", no_args_is_help=True)

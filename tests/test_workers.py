@@ -160,3 +160,32 @@ def test_the_workers_option_overrides_the_file_and_one_worker_is_the_plain_broke
     with broker.client() as client:
         body = client.get("https://nowhere.example.test/")
     assert check_envelope(body.content)["error"]["code"] == "INVALID_TARGET"
+
+
+def test_without_a_configuration_file_the_defaults_notice_is_said_once_not_per_worker(tmp_path):
+    from tests.support.broker import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AFFIDAVIT_")}
+    env.update(AFFIDAVIT_PROXY__LISTEN=f"127.0.0.1:{free_port()}", AFFIDAVIT_API__LISTEN=f"127.0.0.1:{free_port()}")
+    proc = subprocess.Popen([AFFIDAVIT, "run", "--workers", "2"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                break
+            seen.append(line)
+            if "workers share these ports" in line:
+                break
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rest, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rest, _ = proc.communicate()
+    text = "".join(seen) + rest
+    assert "workers share these ports" in text, text[-3000:]
+    assert text.count("using the built-in defaults") == 1, text[-3000:]
