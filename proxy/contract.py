@@ -275,9 +275,6 @@ class IllegalTransition(ValueError):
     """An event that cannot follow the record's current stage (the log would lie)."""
 
 
-class ContradictsResponse(IllegalTransition):
-    """A reconciliation that contradicts the remote's complete answer without saying so (override)."""
-
 
 @dataclass(frozen=True, slots=True)
 class Event:
@@ -397,15 +394,6 @@ def _checked_target(record: Record, event: Event) -> Stage | None:
         outcome = Outcome(event.data["outcome"])
         if outcome in (Outcome.NOT_ATTEMPTED, Outcome.UNKNOWN):
             raise IllegalTransition(f"reconciliation cannot claim {outcome}")
-        # The remote's own complete answer is the strongest evidence there is: a finding that
-        # contradicts it (a refund, a wrong status) is allowed only when it says so.
-        if record.response_complete and record.status is not None and not event.data.get("override"):
-            answered = classify_status(record.status)
-            if outcome is not answered:
-                raise ContradictsResponse(
-                    f"the remote's complete answer (status {record.status}) says {answered.value}; "
-                    f"a finding of {outcome.value} contradicts it and needs override"
-                )
     if event.kind is EventKind.REMOTE_RESPONSE_COMPLETE:
         classify_status(int(event.data["status"]))
     return target
@@ -545,6 +533,19 @@ def _update_attempt(attempts: tuple[Attempt, ...], event: Event, **fields: Any) 
         if attempt.number == number:
             return attempts[:i] + (replace(attempt, **fields),) + attempts[i + 1 :]
     return attempts + (Attempt(number=number, **fields),)
+
+
+def contradicted_answer(record: Record, finding: Outcome) -> Outcome | None:
+    """The outcome the remote's own complete answer gives, if a reconciliation finding ``finding``
+    contradicts it (None: no complete answer, or it agrees).
+
+    That answer is the strongest evidence there is, so a new finding against it must say so
+    (``override``). A policy for new decisions, not a transition rule: history recorded before
+    it still projects."""
+    if not record.response_complete or record.status is None:
+        return None
+    answered = classify_status(record.status)
+    return answered if answered is not finding else None
 
 
 def project(events: Iterable[Event]) -> Record:

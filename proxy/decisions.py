@@ -8,9 +8,9 @@ contract refuses what a decision may not claim: a reconciliation is never ``not_
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
-from .contract import ContradictsResponse, EventKind, IllegalTransition, Outcome, Record, Stage, project
+from .contract import EventKind, IllegalTransition, Outcome, Record, Stage, contradicted_answer, project
 from .invocation_log import InvocationLog, identity_of
 from .store import queries
 from .store.journal import Journal, LeaseLost
@@ -27,18 +27,21 @@ class DecisionRefused(Exception):
         self.message = message
 
 
-async def _append(journal: Journal, row: dict[str, Any], kind: EventKind, data: dict[str, Any]) -> Record:
+async def _append(
+    journal: Journal, row: dict[str, Any], kind: EventKind, data: dict[str, Any],
+    check: Callable[[Record], None] | None = None,
+) -> Record:
+    """Append one decision to the record as it is now; ``check`` may refuse it first."""
     _, events = await queries.events_of(journal.engine, row["invocation_id"], journal.decode_payload)
-    entry = InvocationLog(journal, identity_of(row), row["owner"], record=project(events), persisted=True,
+    record = project(events)
+    if check is not None:
+        check(record)
+    entry = InvocationLog(journal, identity_of(row), row["owner"], record=record, persisted=True,
                           generation=row["generation"])
     entry.credential = (row["credential_id"], row["credential_version"], row["injection"])
     entry.lease_expires_at = row["lease_expires_at"]  # the holder's lease is the holder's: keep it
     try:
         entry.append(kind, **data)
-    except ContradictsResponse as exc:
-        raise DecisionRefused(409, f"invocation {row['invocation_id']}: {exc}. Nothing was changed. If the remote's "
-                                   "answer is not the last word (it undid the operation, or its status was wrong), "
-                                   "send override=true (affidavit reconcile --override).") from None
     except IllegalTransition as exc:
         raise DecisionRefused(409, f"invocation {row['invocation_id']} (stage {entry.record.stage.value}) "
                                    f"cannot take {kind.value}: {exc}") from None
@@ -86,4 +89,16 @@ async def reconcile(
     data = {"outcome": outcome.value, "certainty": certainty, "reference": reference, "note": note, "by": by}
     if override:
         data["override"] = True
-    return await _append(journal, row, EventKind.RECONCILED, data)
+
+    def against_the_answer(record: Record) -> None:
+        answered = contradicted_answer(record, outcome)
+        if answered is not None and not override:
+            raise DecisionRefused(
+                409,
+                f"invocation {row['invocation_id']}: the remote's complete answer (status {record.status}) says "
+                f"{answered.value}, and a finding of {outcome.value} contradicts it. Nothing was changed. If the "
+                "remote's answer is not the last word (it undid the operation, or its status was wrong), send "
+                "override=true (affidavit reconcile --override).",
+            )
+
+    return await _append(journal, row, EventKind.RECONCILED, data, against_the_answer)

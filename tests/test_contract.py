@@ -15,7 +15,6 @@ from proxy.contract import (
     TRANSITIONS,
     CallerDisposition,
     Code,
-    ContradictsResponse,
     Event,
     EventKind,
     IllegalTransition,
@@ -28,6 +27,7 @@ from proxy.contract import (
     Stage,
     apply,
     classify_status,
+    contradicted_answer,
     decide,
     is_idempotent,
     project,
@@ -263,15 +263,18 @@ def test_reconciliation_cannot_claim_not_attempted_or_unknown(outcome):
 
 
 @pytest.mark.parametrize(("status", "finding"), [(200, "rejected"), (200, "partial_effect"), (500, "rejected"), (404, "committed")])
-def test_a_finding_against_the_remotes_complete_answer_needs_an_explicit_override(status, finding):
-    answered = fold(complete(status)).outcome
-    with pytest.raises(ContradictsResponse, match="needs override"):
-        fold([*complete(status), ev(K.RECONCILED, outcome=finding, certainty="operator_attested")])
-    overridden = fold([*complete(status), ev(K.RECONCILED, outcome=finding, certainty="operator_attested", override=True)])
-    assert overridden.outcome is Outcome(finding) and overridden.status == status and answered is not overridden.outcome
-    # A finding that agrees with the answer (adding a reference, say) needs no override.
-    agreeing = fold([*complete(status), ev(K.RECONCILED, outcome=answered.value, certainty="remote_query")])
-    assert agreeing.outcome is answered
+def test_a_finding_against_the_remotes_complete_answer_is_named_as_such(status, finding):
+    record = fold(complete(status))
+    assert contradicted_answer(record, Outcome(finding)) is record.outcome is classify_status(status)
+    # A finding that agrees with the answer (adding a reference, say) contradicts nothing.
+    assert contradicted_answer(record, record.outcome) is None
+    # Without a complete answer there is nothing to contradict.
+    unknown = fold([*DISPATCH, failed(Phase.REMOTE_EXECUTION, Code.REMOTE_OUTCOME_UNKNOWN)])
+    assert contradicted_answer(unknown, Outcome(finding)) is None
+    # A policy for new decisions: a history that holds such a finding (recorded before the rule,
+    # or with override) still projects, and the finding is the outcome.
+    recorded = fold([*complete(status), ev(K.RECONCILED, outcome=finding, certainty="operator_attested")])
+    assert recorded.outcome is Outcome(finding) and recorded.status == status
 
 
 def test_reconciliation_is_only_for_dispatched_records():
