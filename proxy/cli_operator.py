@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Annotated, Any, Awaitable, Callable, Optional, TypeVar
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 from sqlalchemy import text
 
+from .contract import Code, Outcome, Phase
 from .config import DEFAULT_CONFIG, ConfigError, Settings, load_settings, parse_duration
 from .crypto import KeyRing, payload_decoder, result_decoder
 from .invocation_view import describe
@@ -92,6 +94,21 @@ def _window(since: str) -> float:
         raise typer.BadParameter(str(exc), param_hint="--since") from None
 
 
+def _one_of(value: str | None, allowed: type[Outcome] | type[Phase] | type[Code], option: str) -> str | None:
+    """A filter value checked against its closed enum: a typo would otherwise list nothing."""
+    if value is None or value in {member.value for member in allowed}:
+        return value
+    raise typer.BadParameter(f"{value!r} is not one of: {', '.join(m.value for m in allowed)}", param_hint=option)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, datetime):  # to the second, in UTC: the table is for reading
+        return (value if value.tzinfo is None else value.astimezone(UTC)).strftime("%Y-%m-%d %H:%M:%S")
+    return str(value)
+
+
 @invocations_app.callback()
 def _invocations() -> None:
     """Recorded invocations, straight from the journal."""
@@ -109,6 +126,8 @@ def invocations_list(
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines instead of a table.")] = False,
 ) -> None:
     """The newest invocations, filtered."""
+    outcome, phase = _one_of(outcome, Outcome, "--outcome"), _one_of(phase, Phase, "--phase")
+    code = _one_of(code, Code, "--code")
     settings = settings_or_exit(config)
     since_at = datetime.now(UTC) - timedelta(seconds=_window(since))
     rows = with_engine(
@@ -120,15 +139,24 @@ def invocations_list(
     columns = ("invocation_id", "created_at", "agent", "route", "method", "phase", "outcome", "code", "retry", "status")
     if as_json:
         for row in rows:
-            typer.echo(json.dumps({c: row[c] for c in columns}, default=str))
+            typer.echo(json.dumps({c: row[c] for c in columns}, default=lambda v: v.isoformat() if isinstance(v, datetime) else str(v)))
         return
-    table = Table(title=f"invocations (last {since})")
-    table.add_column(columns[0], no_wrap=True, min_width=30)
-    for column in columns[1:]:
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*(("" if row[c] is None else str(row[c])) for c in columns))
-    console.print(table)
+    cells = [[_cell(row[c]) for c in columns] for row in rows]
+    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
+    if sum(widths) + 3 * len(columns) <= console.width:
+        table = Table(title=f"invocations (last {since}, UTC)", box=box.SIMPLE_HEAD, pad_edge=False)
+        for column in columns:
+            table.add_column(column, no_wrap=True)
+        for line in cells:
+            table.add_row(*line)
+        console.print(table)
+        return
+    # Too narrow for one row each: a few lines per invocation, wrapped between words, nothing cut.
+    console.print(f"invocations (last {since}, UTC), newest first", highlight=False)
+    for invocation_id, at, agent, route_, method, phase_, outcome_, code_, retry, status in cells:
+        console.print(f"{invocation_id}  {at}  {agent}  {method}", highlight=False)
+        facts = [f"route {route_ or '-'}", outcome_, phase_, code_ or "-", f"retry {retry or '-'}", f"status {status or '-'}"]
+        console.print("    " + "  ".join(facts), highlight=False)
 
 
 @invocations_app.command("show")

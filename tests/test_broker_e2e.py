@@ -248,6 +248,27 @@ def test_refusals_are_recorded_envelopes_and_send_nothing(broker: BrokerProcess,
     assert counted and all('route="payments.create"' in line for line in counted), exposition
 
 
+def test_invocations_list_reads_at_any_width_and_refuses_a_filter_typo(broker: BrokerProcess, upstream: HostileUpstream):
+    with broker.client() as client:
+        ids = [_refused(client.request("PATCH", f"{PAYMENTS}/h/ok"), 405, "UNSUPPORTED_ACTION")["invocation_id"] for _ in range(2)]
+    listed = broker.command("invocations", "list", "--code", "UNSUPPORTED_ACTION", "--json")
+    rows = {row["invocation_id"]: row for row in map(json.loads, listed.stdout.decode().splitlines())}
+    assert set(ids) <= set(rows), listed
+    assert rows[ids[0]]["route"] == "payments.create" and rows[ids[0]]["created_at"].endswith("+00:00")
+    assert "T" in rows[ids[0]]["created_at"], "ISO 8601, as the side API writes times"
+    for width in ("80", "200"):
+        shown = broker.command("invocations", "list", "--code", "UNSUPPORTED_ACTION", env={"COLUMNS": width})
+        text = shown.stdout.decode()
+        assert shown.returncode == 0 and "…" not in text, text
+        for invocation_id in ids:
+            line = next(line for line in text.splitlines() if invocation_id in line)
+            assert len(line.rstrip()) <= int(width), line
+            around = text[text.index(invocation_id):][:int(width) * 3]
+            assert "payments.create" in around and "UNSUPPORTED_ACTION" in around and "after_correction" in around, text
+    typo = broker.command("invocations", "list", "--outcome", "unknwon")
+    assert typo.returncode == 2 and b"'unknwon' is not one of" in typo.stderr, typo
+
+
 def test_side_api_isolates_agents_and_hides_unknown_ids(broker: BrokerProcess, upstream: HostileUpstream):
     with broker.client() as client:
         r = _seen(client.get(f"{PAYMENTS}/h/ok"))

@@ -101,12 +101,14 @@ class BrokerProcess:
         env.update(self.env)
         return env
 
-    def command(self, *args: str, input: bytes | None = None, timeout: float = 60) -> subprocess.CompletedProcess[bytes]:
-        """Run an ``affidavit`` subcommand against this broker's configuration."""
+    def command(
+        self, *args: str, input: bytes | None = None, timeout: float = 60, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[bytes]:
+        """Run an ``affidavit`` subcommand against this broker's configuration (``env``: more variables)."""
         return subprocess.run(
             [AFFIDAVIT, *args, "--config", str(self.config_path)],
             cwd=self.workdir,
-            env=self._env(),
+            env={**self._env(), **(env or {})},
             input=input,
             capture_output=True,
             timeout=timeout,
