@@ -222,7 +222,8 @@ def diagnostic(exc: BaseException) -> str:
 class _Reading:
     """One response being read: what the connection's parser callbacks fill in."""
 
-    __slots__ = ("method", "limit", "status", "reason", "headers", "chunks", "size", "head_bytes", "head", "done", "first_body")
+    __slots__ = ("method", "limit", "status", "reason", "headers", "chunks", "size", "head_bytes", "head_tail", "head", "done",
+                 "first_body")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, method: str, limit: int):
         self.method = method
@@ -233,6 +234,7 @@ class _Reading:
         self.chunks: list[bytes] = []
         self.size = 0
         self.head_bytes = 0
+        self.head_tail = b""  # the last bytes of the head so far, for a blank line split across reads
         self.head: asyncio.Future[None] = loop.create_future()
         self.done: asyncio.Future[None] = loop.create_future()
         #: Resolved by the first body byte or the end of the response, whichever comes first.
@@ -324,9 +326,15 @@ class _Connection(asyncio.Protocol):
         if reading is None or reading.done.done():
             self._broken(None)  # bytes nobody asked for: the connection cannot be trusted again
             return
-        if not reading.head.done():
-            reading.head_bytes += len(data)
-            if reading.head_bytes > MAX_RESPONSE_HEAD:
+        head_pending = not reading.head.done()
+        if head_pending:
+            # Count the head only: the read that ends it may carry much of the body too (one
+            # read can hold 256 KiB). Its end is the first blank line, which may straddle reads.
+            seen = reading.head_tail + data
+            end = seen.find(b"\r\n\r\n")
+            head_part = len(data) if end < 0 else max(0, end + 4 - len(reading.head_tail))
+            reading.head_tail = seen[-3:]
+            if reading.head_bytes + head_part > MAX_RESPONSE_HEAD:
                 self._broken(ResponseBroken(f"the upstream's response head exceeds {MAX_RESPONSE_HEAD} bytes"))
                 return
         try:
@@ -334,6 +342,9 @@ class _Connection(asyncio.Protocol):
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._broken(ResponseBroken(f"the upstream's response is not valid HTTP/1.1: {exc}"))
             return
+        if head_pending:
+            # Still no final head (an interim response came first): all of it was head.
+            reading.head_bytes += head_part if reading.head.done() else len(data)
         if reading.size > reading.limit:
             self._broken(ResponseTooLarge())
 

@@ -284,6 +284,21 @@ def test_a_head_response_has_no_body_and_its_connection_is_not_reused():
     run(main())
 
 
+@pytest.mark.parametrize("size", [100_000, 250_000])
+def test_a_large_body_in_the_same_write_as_the_head_is_complete(size: int):
+    """One read may hold the head and most of the body: only the head counts towards its limit."""
+    body = bytes(range(256)) * (size // 256)
+    response, _, _ = run(_one(_replying(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body), limit=1 << 20))
+    assert not isinstance(response, Exception), response
+    assert response.status == 200 and response.body == body
+
+
+def test_a_head_over_its_limit_is_still_refused():
+    huge = b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"p" * 70_000 + b"\r\nContent-Length: 2\r\n\r\nok"
+    broken, _, _ = run(_one(_replying(huge), limit=1 << 20))
+    assert isinstance(broken, ExchangeFailed) and "head exceeds" in broken.diagnostic, broken
+
+
 def test_a_body_over_the_limit_is_result_too_large():
     big, _, _ = run(_one(_replying(b"HTTP/1.1 200 OK\r\nContent-Length: 2000\r\n\r\n" + b"x" * 2000), limit=1000))
     assert isinstance(big, ExchangeFailed) and big.code is Code.RESULT_TOO_LARGE and big.headers_received
