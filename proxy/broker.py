@@ -53,6 +53,7 @@ from .credentials import (
     Credentials,
     injected_header,
     redact,
+    redact_body,
     redaction_needles,
 )
 from .envelope import MEDIA_TYPE, encode, envelope, status_for
@@ -192,6 +193,23 @@ class _Exchange:
         self.approval_check: Callable[[], str | None] | None = None
         self.connection: str | None = None
         self.attempt = max(entry.record.attempt_count, 1)
+        self._clean: tuple[UpstreamResponse, bytes, bool] | None = None
+
+    def clean_body(self, response: UpstreamResponse) -> tuple[bytes, bool]:
+        """The response body with every echo of the injected credential replaced, also inside
+        its content coding; worked out once per response (it is stored and delivered)."""
+        if self._clean is None or self._clean[0] is not response:
+            codings = ", ".join(v for k, v in response.headers if k.lower() == "content-encoding") or None
+            body, changed, problem = redact_body(response.body, codings, self.needles, self.request.max_response_body)
+            if problem is not None:
+                log.warning(
+                    "invocation %s: could not look inside the response body (Content-Encoding %s: %s) for an echo "
+                    "of the injected credential; it is stored and delivered as received, with the raw bytes "
+                    "checked only. If this upstream may echo request headers, ask it for an uncompressed answer.",
+                    self.entry.invocation_id, codings, problem,
+                )
+            self._clean = (response, body, changed)
+        return self._clean[1], self._clean[2]
 
     async def dispatch(self, attempt: int, connection: str) -> None:
         """The boundary: nothing is written upstream until this returns."""
@@ -263,7 +281,7 @@ class _Exchange:
         """Steps (1)-(3) of contract section 6: the outcome, its hash, the stored result."""
         await failpoint("after_response_complete")
         stored_headers = [(k, v) for k, v in _passable(response.headers) if k.lower() not in _UNSTORED_HEADERS]
-        stored_body, redacted = redact(response.body, self.needles)
+        stored_body, redacted = self.clean_body(response)
         stored_headers, headers_redacted = _redact_headers(stored_headers, self.needles)
         self.entry.append(
             EventKind.REMOTE_RESPONSE_COMPLETE,
@@ -1000,7 +1018,7 @@ class Broker:
         """The upstream's response, unchanged but for hop-by-hop headers, framing and any echo
         of the injected credential (the agent must never see it)."""
         entry = exchange.entry
-        body, _ = redact(response.body, exchange.needles)
+        body, _ = exchange.clean_body(response)
         headers, _ = _redact_headers(_passable(response.headers), exchange.needles)
         if response.framing != "none":
             headers.append(("Content-Length", str(len(body))))

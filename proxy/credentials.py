@@ -13,6 +13,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from .codings import Undecodable, codings_of, decode, encode
 from .config import Injection, Settings
 from .contract import Code
 
@@ -130,3 +131,23 @@ def redact(data: bytes, needles: list[bytes]) -> tuple[bytes, bool]:
             data = data.replace(needle, b"[REDACTED]")
             changed = True
     return data, changed
+
+
+def redact_body(body: bytes, content_encoding: str | None, needles: list[bytes], limit: int) -> tuple[bytes, bool, str | None]:
+    """:func:`redact` for a response body, looking through its content codings too (an upstream
+    that echoes the request's headers gzipped would otherwise hand the secret to the agent).
+
+    Returns (body, whether anything was replaced, why the body could not be looked inside, if it
+    could not). A decoded body that held a needle is redacted and encoded again the same way."""
+    raw, changed = redact(body, needles)
+    applied = codings_of(content_encoding) if needles else []
+    if not applied:
+        return raw, changed, None
+    try:
+        plain = decode(body, applied, limit)
+    except Undecodable as exc:
+        return raw, changed, str(exc)
+    clean, found = redact(plain, needles)
+    if not found:
+        return raw, changed, None
+    return encode(clean, applied), True, None

@@ -128,6 +128,50 @@ def test_an_echoed_credential_never_reaches_the_agent(broker: BrokerProcess, ups
     assert upstream.received[0].header("Authorization") == f"Bearer {CANARIES['PAYMENTS_KEY']}"
 
 
+@pytest.mark.parametrize("coding", ["gzip", "br", "zstd", "deflate", "raw-deflate", "gzip,br"])
+def test_an_echoed_credential_is_found_inside_a_compressed_body(broker: BrokerProcess, upstream: HostileUpstream, coding: str):
+    """An upstream that echoes the request's headers gzipped (or br, zstd, deflate) would hand
+    the injected secret to any client that decompresses: the broker looks through the coding."""
+    from mitmproxy.net.encoding import decode
+
+    secret = CANARIES["PAYMENTS_KEY"].encode()
+    with broker.client() as client:
+        with client.stream("GET", f"{PAYMENTS}/h/ok?encode={coding}") as r:
+            raw = b"".join(r.iter_raw())
+            status, headers = r.status_code, r.headers
+    invocation_id = headers["affidavit-invocation-id"]
+    assert status == 200 and upstream.received[-1].header("Authorization") == f"Bearer {CANARIES['PAYMENTS_KEY']}"
+    assert headers["content-encoding"] == ("gzip, br" if coding == "gzip,br" else coding.removeprefix("raw-"))
+
+    def plain(body: bytes) -> bytes:
+        for applied in reversed([c.strip() for c in headers["content-encoding"].split(",")]):
+            body = decode(body, applied)
+        return body
+
+    delivered = plain(raw)
+    assert secret not in delivered and b'"[REDACTED]"' in delivered, delivered[:300]
+    assert int(headers["content-length"]) == len(raw)
+    with broker.api() as api:
+        with api.stream("GET", f"/v1/invocations/{invocation_id}/result") as fetched:
+            stored = b"".join(fetched.iter_raw())
+    assert secret not in plain(stored) and b'"[REDACTED]"' in plain(stored)
+    record = broker.invocation(invocation_id)
+    assert next(e for e in record["events"] if e["kind"] == "RESULT_COMMITTED")["data"]["redacted"] is True
+
+
+def test_a_compressed_body_too_big_to_look_inside_is_said_in_the_log(broker: BrokerProcess, upstream: HostileUpstream):
+    with broker.client() as client:
+        with client.stream("GET", f"{PAYMENTS}/h/ok?encode=bomb") as r:
+            raw = b"".join(r.iter_raw())
+    assert r.status_code == 200 and 0 < len(raw) < 1024 * 1024, "delivered as received"
+    invocation_id = r.headers["affidavit-invocation-id"]
+    deadline = time.monotonic() + 5
+    while invocation_id not in broker.logs() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    line = next(line for line in broker.logs().splitlines() if "could not look inside" in line and invocation_id in line)
+    assert "once decoded" in line and "gzip" in line
+
+
 def test_affidavit_env_lines_work_for_requests(broker: BrokerProcess, upstream: HostileUpstream):
     done = broker.command("env", "--agent", "builder", "--token", broker.agents["builder"].token)
     assert done.returncode == 0, done.stderr

@@ -162,6 +162,25 @@ class _Conn:
         self.writer.transport.abort()
 
 
+def _encoded(body: bytes, coding: str) -> tuple[bytes, str]:
+    """``body`` in a content coding, and the Content-Encoding value to send with it."""
+    import zlib
+
+    from mitmproxy.net import encoding
+
+    if coding == "raw-deflate":  # what some servers send as "deflate"
+        c = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+        return c.compress(body) + c.flush(), "deflate"
+    if coding == "bomb":  # 64 MiB of zeros, then the echo: small on the wire, huge decoded
+        c = zlib.compressobj(wbits=16 + zlib.MAX_WBITS)
+        zeros = b"\0" * (1024 * 1024)
+        parts = [c.compress(zeros) for _ in range(64)]
+        return b"".join(parts) + c.compress(body) + c.flush(), "gzip"
+    if coding == "gzip,br":
+        return encoding.encode(encoding.encode(body, "gzip"), "br"), "gzip, br"
+    return encoding.encode(body, coding), coding
+
+
 def _response(status: int, body: bytes = b"", headers: list[tuple[str, str]] | None = None, *, close: bool = False, length: bool = True) -> bytes:
     """Serialize a response. ``length=False`` omits Content-Length (close-delimited body)."""
     hs = list(headers or [])
@@ -476,9 +495,15 @@ class HostileUpstream:
                       "body_length": len(entry.body), "conn_id": conn.id, "effects": effects})
 
     async def _send(self, conn: _Conn, entry: Received, status: int, body: bytes = b"", headers: list[tuple[str, str]] | None = None) -> bool:
-        """Send a complete response, honouring the client's Connection preference."""
+        """Send a complete response, honouring the client's Connection preference. ``?encode=``
+        a content coding (``gzip``, ``br``, ``zstd``, ``deflate``; ``raw-deflate``, ``bomb``):
+        the body is sent with that coding whatever the client accepts."""
         close = _wants_close(entry)
         entry.response_status = status
+        coding = entry.query.get("encode")
+        if coding and body:
+            body, label = _encoded(body, coding)
+            headers = [*(headers or []), ("Content-Encoding", label)]
         data = _response(status, body, headers, close=close)
         if entry.method == "HEAD":
             data = data[: data.index(b"\r\n\r\n") + 4]

@@ -1,0 +1,67 @@
+"""Looking inside content-coded bodies for an echo of the injected credential (pure; the
+broker-level proof is in test_broker_e2e)."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+from mitmproxy.net import encoding
+
+from proxy.codings import Undecodable, codings_of, decode, encode
+from proxy.credentials import redact_body
+
+SECRET = b"sk_canary_0123456789"
+ECHO = b'{"headers": [["Authorization", "Bearer ' + SECRET + b'"]]}'
+
+
+def raw_deflate(data: bytes) -> bytes:
+    c = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    return c.compress(data) + c.flush()
+
+
+@pytest.mark.parametrize("coding", ["gzip", "x-gzip", "deflate", "br", "zstd"])
+def test_each_known_coding_round_trips(coding: str):
+    assert decode(encode(ECHO, [coding]), [coding], 1 << 20) == ECHO
+
+
+def test_raw_deflate_and_stacked_codings_and_gzip_members_decode():
+    assert decode(raw_deflate(ECHO), ["deflate"], 1 << 20) == ECHO
+    assert codings_of("gzip, identity, br") == ["gzip", "br"]
+    assert decode(encoding.encode(encoding.encode(ECHO, "gzip"), "br"), ["gzip", "br"], 1 << 20) == ECHO
+    two_members = encoding.encode(b"first ", "gzip") + encoding.encode(b"second", "gzip")
+    assert decode(two_members, ["gzip"], 1 << 20) == b"first second"
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "br", "zstd"])
+def test_a_body_that_expands_beyond_the_limit_stops_at_the_limit(coding: str):
+    bomb = encode(b"\0" * (8 << 20), [coding])
+    assert len(bomb) < 64 * 1024
+    with pytest.raises(Undecodable, match="more than 1048576 bytes"):
+        decode(bomb, [coding], 1 << 20)
+
+
+@pytest.mark.parametrize(("body", "codings", "why"), [
+    (b"not compressed at all", ["gzip"], "gzip"),
+    (encoding.encode(ECHO, "gzip")[:-12], ["gzip"], "ends early"),
+    (ECHO, ["compress"], "unknown content coding"),
+])
+def test_what_cannot_be_decoded_says_why(body: bytes, codings: list[str], why: str):
+    with pytest.raises(Undecodable, match=why):
+        decode(body, codings, 1 << 20)
+
+
+def test_redact_body_replaces_the_echo_inside_the_coding_and_keeps_the_coding():
+    body, changed, problem = redact_body(encoding.encode(ECHO, "gzip"), "gzip", [SECRET], 1 << 20)
+    assert changed and problem is None
+    assert encoding.decode(body, "gzip") == ECHO.replace(SECRET, b"[REDACTED]")
+
+
+def test_redact_body_leaves_a_clean_or_uninspectable_body_byte_for_byte():
+    clean = encoding.encode(b'{"ok": true}', "br")
+    assert redact_body(clean, "br", [SECRET], 1 << 20) == (clean, False, None)
+    assert redact_body(clean, "br", [], 1 << 20) == (clean, False, None), "no credential: nothing to look for"
+    body, changed, problem = redact_body(b"\x00junk", "gzip", [SECRET], 1 << 20)
+    assert (body, changed) == (b"\x00junk", False) and problem is not None
+    plain = b"Bearer " + SECRET
+    assert redact_body(plain, None, [SECRET], 1 << 20) == (b"Bearer [REDACTED]", True, None)
