@@ -8,7 +8,6 @@ exactly like an id that does not exist (404), so ids cannot be probed.
 import asyncio
 import hmac
 import logging
-import sqlite3
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
@@ -16,9 +15,6 @@ from typing import Annotated, Any, Literal
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
-import asyncpg
-from sqlalchemy.exc import DBAPIError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from . import VERSION, metrics
@@ -124,8 +120,7 @@ def create_app(
                         "changed right now; nothing was changed. Retry after a delay; operators: check the database.",
                         {"Retry-After": "1"})
 
-    for kind in (DBAPIError, PoolTimeout, asyncpg.PostgresError, asyncpg.InterfaceError, sqlite3.Error, OSError,
-                 asyncio.TimeoutError):
+    for kind in queries.UNREACHABLE:
         app.add_exception_handler(kind, _journal_away)
 
     async def principal(request: Request) -> Principal:  # async: no thread hop per request

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from urllib.parse import quote, urlsplit
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 from . import metrics
 from .config import Route, Settings
@@ -377,7 +377,10 @@ class Broker:
         key, generated = self._idempotency_key(req, route)
         scope = route.idempotency.scope if route.idempotency else route.name
         if key is not None and not generated:
-            existing = await leases.find_keyed(self.journal.engine, req.agent, scope, key)
+            try:
+                existing = await _read(leases.find_keyed(self.journal.engine, req.agent, scope, key))
+            except _Unreadable as exc:
+                return self._unreadable(exc)
             if existing is not None:
                 return await self._repeat(existing, req, route, request_fingerprint, key)
         entry = self._new_entry(req, route, target, request_fingerprint, key, scope)
@@ -388,7 +391,10 @@ class Broker:
             try:
                 await entry.commit(claim=True)
             except IdempotencyConflict:
-                existing = await leases.find_keyed(self.journal.engine, req.agent, scope, key)
+                try:
+                    existing = await _read(leases.find_keyed(self.journal.engine, req.agent, scope, key))
+                except _Unreadable as exc:
+                    return self._unreadable(exc)
                 if existing is None:
                     return self._journal_unavailable()
                 return await self._repeat(existing, req, route, request_fingerprint, key)
@@ -536,8 +542,21 @@ class Broker:
 
     async def _repeat(self, row: dict[str, Any], req: AgentRequest, route: Route, request_fingerprint: str, key: str) -> Reply:
         """The agent sent a key this broker (or another) has seen: replay, re-send or refuse."""
+        try:
+            return await self._repeat_checked(row, req, route, request_fingerprint, key)
+        except _Unreadable as exc:  # only reads before anything is sent raise it
+            return self._unreadable(exc)
+
+    def _unreadable(self, exc: "_Unreadable") -> Reply:
+        log.warning("a request with an idempotency key could not be checked against the journal, which did not "
+                    "answer (%s); refused as JOURNAL_UNAVAILABLE, nothing sent", exc)
+        return self._journal_unavailable()
+
+    async def _repeat_checked(
+        self, row: dict[str, Any], req: AgentRequest, route: Route, request_fingerprint: str, key: str
+    ) -> Reply:
         for _ in range(3):
-            _, events = await queries.events_of(self.journal.engine, row["invocation_id"], self.journal.decode_payload)
+            _, events = await _read(queries.events_of(self.journal.engine, row["invocation_id"], self.journal.decode_payload))
             record = project(events)
             if record.stage in (Stage.HELD, Stage.APPROVED):
                 return await self._repeat_held(row, record, req, route, request_fingerprint, key)
@@ -580,9 +599,9 @@ class Broker:
                     "Reconcile it or ask an operator.",
                 )
             until = now + timedelta(seconds=self.settings.proxy.retry_lease)
-            if await leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until):
+            if await _read(leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until)):
                 return await self._reattempt(row, record, req, route, key, until)
-            row = await queries.invocation(self.journal.engine, row["invocation_id"]) or row
+            row = await _read(queries.invocation(self.journal.engine, row["invocation_id"])) or row
         return self._repeat_envelope(
             row, None, Code.IDEMPOTENCY_IN_PROGRESS,
             f"Invocation {row['invocation_id']} is being retried elsewhere. Nothing was sent. Ask again later.",
@@ -599,10 +618,10 @@ class Broker:
                 "request; the approval authorises nothing new. Nothing was sent.",
                 request_fingerprint,
             )
-        holder_alive = await leases.owner_alive(self.journal.engine, row["owner"], self.settings.recovery.stale_after)
+        holder_alive = await _read(leases.owner_alive(self.journal.engine, row["owner"], self.settings.recovery.stale_after))
         now = utcnow()
         until = now + timedelta(seconds=max(self.settings.proxy.retry_lease, route.approval_timeout))
-        if holder_alive or not await leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until):
+        if holder_alive or not await _read(leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until)):
             return self._repeat_envelope(
                 row, record, Code.APPROVAL_REQUIRED,
                 f"Invocation {row['invocation_id']} is waiting for an operator's approval. Nothing was sent. "
@@ -635,7 +654,7 @@ class Broker:
 
     async def _replay(self, row: dict[str, Any], record: Record) -> Reply:
         """Serve the recorded result again; the upstream is not contacted."""
-        stored = await queries.stored_result(self.journal.engine, row["invocation_id"], self.journal.decode_result)
+        stored = await _read(queries.stored_result(self.journal.engine, row["invocation_id"], self.journal.decode_result))
         if stored is None and record.reconciled_outcome is not None:
             return self._repeat_envelope(
                 row, record, Code.RESULT_UNAVAILABLE,
@@ -1251,6 +1270,21 @@ _MESSAGES = {
 
 def _message(code: Code, outcome: Outcome) -> str:
     return _MESSAGES.get(code, f"The request ended with {code.value}; the outcome is {outcome.value}.")
+
+
+T = TypeVar("T")
+
+
+class _Unreadable(Exception):
+    """A read the broker needs before it may send anything failed: the database did not answer."""
+
+
+async def _read(awaitable: Awaitable[T]) -> T:
+    """``await awaitable``, a journal read; the database not answering becomes :class:`_Unreadable`."""
+    try:
+        return await awaitable
+    except queries.UNREACHABLE as exc:
+        raise _Unreadable(str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__) from exc
 
 
 def _redact_headers(headers: list[tuple[str, str]], needles: list[bytes]) -> tuple[list[tuple[str, str]], bool]:

@@ -161,12 +161,21 @@ def test_an_unreachable_journal_fails_closed_and_the_broker_serves_again_when_it
         first_id = first.headers["affidavit-invocation-id"]
         with broker.api() as api:  # opens the side API's read connections before the cut
             assert api.get(f"/v1/invocations/{first_id}/result").status_code == 200
+        bound = f"bound-{time.monotonic_ns()}"
+        assert post(broker, SAFE + "/h/ok", bound).status_code == 200
         relay.cut()
         refused = client.post(CRASH + "/h/ok", content=b"{}")
         body = check_envelope(refused.content)
         assert refused.status_code == 503
         assert (body["error"]["code"], body["error"]["phase"], body["error"]["outcome"], body["error"]["retry"]) == (
             "JOURNAL_UNAVAILABLE", "validation", "not_attempted", "backoff")
+        # A keyed request needs a read before anything else (is the key bound?): the same answer,
+        # for a new key and for a repeat of a bound one, never "unknown".
+        for key in (f"new-{time.monotonic_ns()}", bound):
+            keyed = post(broker, SAFE + "/h/ok", key)
+            body = check_envelope(keyed.content)
+            assert (keyed.status_code, body["error"]["code"], body["error"]["outcome"], body["error"]["retry"]) == (
+                503, "JOURNAL_UNAVAILABLE", "not_attempted", "backoff"), keyed.text
         assert httpx.get(broker.api_url + "/readyz", timeout=10).status_code == 503
         assert httpx.get(broker.api_url + "/healthz", timeout=10).status_code == 200
         with broker.api() as api:  # the side API says the journal is away, not a bare 500
@@ -176,14 +185,40 @@ def test_an_unreachable_journal_fails_closed_and_the_broker_serves_again_when_it
                 assert "journal (database) did not answer" in away.json()["detail"]
         relay.restore()
         deadline = time.monotonic() + 15
-        while True:
-            again = client.post(CRASH + "/h/ok", content=b"{}")
-            if again.status_code == 200 or time.monotonic() > deadline:
-                break
+        while httpx.get(broker.api_url + "/readyz", timeout=10).status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.3)
+        # Ready means ready: the first request after the database returns is served (the
+        # journal writer replaces the connection the outage closed, rather than failing on it).
+        again = client.post(CRASH + "/h/ok", content=b"{}")
     assert again.status_code == 200, again.text
-    assert httpx.get(broker.api_url + "/readyz", timeout=10).status_code == 200
-    assert upstream.effects == 2, "nothing was forwarded while the journal was down"
+    assert upstream.effects == 3, "nothing was forwarded while the journal was down"
+    assert "journal write failed" not in broker.logs().split("could not be checked against the journal")[-1]
+
+
+def test_after_an_outage_the_broker_saw_only_through_readyz_the_first_request_is_served(relayed_pg, make_broker, upstream):
+    """No request came while the database was away, so the journal writer's connection died
+    unnoticed: once /readyz says ready, the next request must not fail on that dead connection."""
+    url, relay = relayed_pg
+    broker = _start_on(make_broker, upstream, url)
+    with broker.client() as client:
+        assert client.post(CRASH + "/h/ok", content=b"{}").status_code == 200
+        time.sleep(1.0)  # its lazy facts (the delivery) are written: the writer is idle now
+        relay.cut()
+
+        def ready() -> int:
+            return httpx.get(broker.api_url + "/readyz", timeout=10).status_code
+
+        deadline = time.monotonic() + 15
+        while ready() != 503 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        relay.restore()
+        while ready() != 200 and time.monotonic() < deadline + 15:
+            time.sleep(0.2)
+        seen = len(broker.logs())
+        first = client.post(CRASH + "/h/ok", content=b"{}")
+    assert first.status_code == 200, first.text
+    assert "journal write failed" not in broker.logs()[seen:]
+    assert upstream.effects == 2
 
 
 def record_by_key_when_back(broker: BrokerProcess, relay: TcpRelay, key: str) -> str:

@@ -481,7 +481,12 @@ class Journal:
         """PostgreSQL: one ``affidavit_write`` call (one round trip, autocommit); refused checks
         come back as SQLSTATE AF001 with nothing written."""
         driver = self._driver
-        if driver is None or driver.is_closed():
+        if driver is not None and driver.is_closed():
+            # The database closed it while the writer was idle (a restart, a cut): nothing was
+            # sent on it, so take a new connection instead of failing this batch.
+            await self._drop_connection()
+            driver = None
+        if driver is None:
             conn = await self._connection()
             driver = self._driver = (await conn.get_raw_connection()).driver_connection
         try:

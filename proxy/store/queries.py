@@ -6,12 +6,22 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
+import asyncio
+import sqlite3
+
+import asyncpg
 from sqlalchemy import select, text
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..contract import Event, EventKind
 from ..crypto import PayloadDecoder, ResultDecoder
 from .schema import events, invocations, results
+
+#: What a read raises when the database does not answer (down, unreachable, pool exhausted).
+UNREACHABLE = (DBAPIError, PoolTimeout, asyncpg.PostgresError, asyncpg.InterfaceError, sqlite3.Error, OSError,
+               asyncio.TimeoutError)
 
 
 def _row(row: Any) -> dict[str, Any]:
