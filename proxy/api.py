@@ -257,7 +257,9 @@ def create_app(
         try:
             await decisions.reconcile(journal, row, Outcome(outcome), certainty, reference, note, "operator", body.override)
         except decisions.DecisionRefused as exc:
-            raise ApiError(exc.status, "Refused", exc.message) from None
+            looked = (f" (The lookup, invocation {lookup['lookup_invocation_id']}, answered {lookup['status']}: "
+                      f"{outcome}.)") if lookup is not None else ""
+            raise ApiError(exc.status, "Refused", exc.message + looked) from None
         result = await view(invocation_id)
         if lookup is not None:
             result["lookup"] = {**lookup, "finding": lookup["finding"].value}

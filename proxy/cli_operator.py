@@ -351,7 +351,9 @@ def reconcile(
 ) -> None:
     """Append what is known about an invocation's effect; its original record stays as it was."""
     settings = settings_or_exit(config)
-    body = {"outcome": outcome, "reference": reference, "note": note, "lookup": lookup, "override": override}
+    body = {"outcome": outcome, "reference": reference, "note": note, "lookup": lookup}
+    if override:  # only when asked: a broker from before the field refuses unknown fields
+        body["override"] = True
     record = call_api(settings, "POST", f"/v1/invocations/{invocation_id}/reconcile", body)
     found = record.get("lookup")
     if found:

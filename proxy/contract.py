@@ -536,16 +536,19 @@ def _update_attempt(attempts: tuple[Attempt, ...], event: Event, **fields: Any) 
 
 
 def contradicted_answer(record: Record, finding: Outcome) -> Outcome | None:
-    """The outcome the remote's own complete answer gives, if a reconciliation finding ``finding``
-    contradicts it (None: no complete answer, or it agrees).
+    """The outcome a reconciliation finding ``finding`` would overturn on a record that holds the
+    remote's complete answer (None: no complete answer, or nothing is overturned).
 
-    That answer is the strongest evidence there is, so a new finding against it must say so
-    (``override``). A policy for new decisions, not a transition rule: history recorded before
-    it still projects."""
+    That answer is the strongest evidence there is, so changing the outcome it gave, or the one a
+    deliberate earlier finding put over it, must say so (``override``). ``partial_effect`` after
+    ``committed`` refines it (the remote ran, and did part) and overturns nothing. A policy for new
+    decisions, not a transition rule: history recorded before it still projects."""
     if not record.response_complete or record.status is None:
         return None
-    answered = classify_status(record.status)
-    return answered if answered is not finding else None
+    current = record.outcome
+    if finding is current or (current is Outcome.COMMITTED and finding is Outcome.PARTIAL_EFFECT):
+        return None
+    return current
 
 
 def project(events: Iterable[Event]) -> Record:

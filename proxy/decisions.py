@@ -91,13 +91,14 @@ async def reconcile(
         data["override"] = True
 
     def against_the_answer(record: Record) -> None:
-        answered = contradicted_answer(record, outcome)
-        if answered is not None and not override:
+        overturned = contradicted_answer(record, outcome)
+        if overturned is not None and not override:
+            held = "says" if record.reconciled_outcome is None else "was answered, and a later finding made it"
             raise DecisionRefused(
                 409,
-                f"invocation {row['invocation_id']}: the remote's complete answer (status {record.status}) says "
-                f"{answered.value}, and a finding of {outcome.value} contradicts it. Nothing was changed. If the "
-                "remote's answer is not the last word (it undid the operation, or its status was wrong), send "
+                f"invocation {row['invocation_id']}: the remote's complete answer (status {record.status}) {held} "
+                f"{overturned.value}, and a finding of {outcome.value} would overturn that. Nothing was changed. If you "
+                "are sure (the remote undid the operation, its status was wrong, or an earlier finding was), send "
                 "override=true (affidavit reconcile --override).",
             )
 

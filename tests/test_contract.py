@@ -262,19 +262,27 @@ def test_reconciliation_cannot_claim_not_attempted_or_unknown(outcome):
         fold([*DISPATCH, failed(Phase.REMOTE_EXECUTION, Code.REMOTE_OUTCOME_UNKNOWN), ev(K.RECONCILED, outcome=outcome, certainty="operator_attested")])
 
 
-@pytest.mark.parametrize(("status", "finding"), [(200, "rejected"), (200, "partial_effect"), (500, "rejected"), (404, "committed")])
+@pytest.mark.parametrize(("status", "finding"), [(200, "rejected"), (500, "rejected"), (404, "committed"), (404, "partial_effect")])
 def test_a_finding_against_the_remotes_complete_answer_is_named_as_such(status, finding):
     record = fold(complete(status))
     assert contradicted_answer(record, Outcome(finding)) is record.outcome is classify_status(status)
-    # A finding that agrees with the answer (adding a reference, say) contradicts nothing.
+    # A finding that agrees with the answer (adding a reference, say) overturns nothing.
     assert contradicted_answer(record, record.outcome) is None
-    # Without a complete answer there is nothing to contradict.
+    # Without a complete answer there is nothing to overturn.
     unknown = fold([*DISPATCH, failed(Phase.REMOTE_EXECUTION, Code.REMOTE_OUTCOME_UNKNOWN)])
     assert contradicted_answer(unknown, Outcome(finding)) is None
     # A policy for new decisions: a history that holds such a finding (recorded before the rule,
     # or with override) still projects, and the finding is the outcome.
     recorded = fold([*complete(status), ev(K.RECONCILED, outcome=finding, certainty="operator_attested")])
     assert recorded.outcome is Outcome(finding) and recorded.status == status
+    # After it, re-stating that finding overturns nothing; going back to the answer overturns it.
+    assert contradicted_answer(recorded, Outcome(finding)) is None
+    assert contradicted_answer(recorded, classify_status(status)) is Outcome(finding)
+
+
+@pytest.mark.parametrize("status", [200, 500])
+def test_partial_effect_refines_a_committed_answer_without_override(status):
+    assert contradicted_answer(fold(complete(status)), Outcome.PARTIAL_EFFECT) is None
 
 
 def test_reconciliation_is_only_for_dispatched_records():

@@ -136,8 +136,12 @@ def test_a_finding_against_a_complete_response_is_refused_unless_it_says_overrid
     assert after["outcome"] == "rejected" and after["evidence"]["response_complete"] is True
     assert after["events"][:-1] == before["events"]
     assert after["events"][-1]["kind"] == "RECONCILED" and after["events"][-1]["data"]["override"] is True
-    with broker.operator() as api:  # agreeing with the (now latest) answer needs nothing more
-        assert api.post(f"/v1/invocations/{invocation_id}/reconcile", json={"outcome": "committed"}).status_code == 200
+    with broker.operator() as api:
+        # Re-stating the finding (to add a reference) overturns nothing; going back does.
+        assert api.post(f"/v1/invocations/{invocation_id}/reconcile", json={"outcome": "rejected", "reference": "re_1"}).status_code == 200
+        back = api.post(f"/v1/invocations/{invocation_id}/reconcile", json={"outcome": "committed"})
+        assert back.status_code == 409 and "later finding made it rejected" in back.json()["detail"]
+    assert broker.invocation(invocation_id, broker.operator_token)["outcome"] == "rejected"
 
 
 def test_reconcile_by_lookup_asks_the_remote_through_the_broker(broker, upstream):
