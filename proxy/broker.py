@@ -193,23 +193,28 @@ class _Exchange:
         self.approval_check: Callable[[], str | None] | None = None
         self.connection: str | None = None
         self.attempt = max(entry.record.attempt_count, 1)
-        self._clean: tuple[UpstreamResponse, bytes, bool] | None = None
+        self._clean: tuple[UpstreamResponse, bytes, bool, str | None] | None = None
 
-    def clean_body(self, response: UpstreamResponse) -> tuple[bytes, bool]:
-        """The response body with every echo of the injected credential replaced, also inside
-        its content coding; worked out once per response (it is stored and delivered)."""
+    def clean_body(self, response: UpstreamResponse) -> tuple[bytes, bool, str | None]:
+        """(body, redacted, withheld): the response body with every echo of the injected
+        credential replaced, also inside its content coding; worked out once per response (it
+        is stored and delivered). A body the broker cannot look inside on a route that injects
+        a credential is withheld (empty; ``withheld`` says why): it might hold the secret."""
         if self._clean is None or self._clean[0] is not response:
             codings = ", ".join(v for k, v in response.headers if k.lower() == "content-encoding") or None
             body, changed, problem = redact_body(response.body, codings, self.needles, self.request.max_response_body)
+            withheld = None
             if problem is not None:
+                body, withheld = b"", f"Content-Encoding {codings}: {problem}"
                 log.warning(
-                    "invocation %s: could not look inside the response body (Content-Encoding %s: %s) for an echo "
-                    "of the injected credential; it is stored and delivered as received, with the raw bytes "
-                    "checked only. If this upstream may echo request headers, ask it for an uncompressed answer.",
-                    self.entry.invocation_id, codings, problem,
+                    "invocation %s: the response body was withheld (stored and delivered empty): the broker could not "
+                    "look inside it for an echo of the injected credential (%s). The outcome stands; the status and "
+                    "headers are kept. If this upstream's answers are needed, have it answer uncompressed or in "
+                    "gzip, deflate, br or zstd.",
+                    self.entry.invocation_id, withheld,
                 )
-            self._clean = (response, body, changed)
-        return self._clean[1], self._clean[2]
+            self._clean = (response, body, changed, withheld)
+        return self._clean[1], self._clean[2], self._clean[3]
 
     async def dispatch(self, attempt: int, connection: str) -> None:
         """The boundary: nothing is written upstream until this returns."""
@@ -281,8 +286,8 @@ class _Exchange:
         """Steps (1)-(3) of contract section 6: the outcome, its hash, the stored result."""
         await failpoint("after_response_complete")
         stored_headers = [(k, v) for k, v in _passable(response.headers) if k.lower() not in _UNSTORED_HEADERS]
-        stored_body, redacted = self.clean_body(response)
-        stored_headers, headers_redacted = _redact_headers(stored_headers, self.needles)
+        stored_body, redacted, withheld = self.clean_body(response)
+        stored_headers, headers_redacted = _redact_headers(_withheld_headers(stored_headers, withheld), self.needles)
         self.entry.append(
             EventKind.REMOTE_RESPONSE_COMPLETE,
             attempt=self.attempt,
@@ -303,6 +308,7 @@ class _Exchange:
             result_id=self.entry.invocation_id,
             stored_body_sha256=body_sha256(stored_body),
             redacted=(redacted or headers_redacted) or None,
+            withheld=withheld,
         )
         body, headers, key_id = self.entry.journal.encode_result(self.entry.invocation_id, stored_body, _json_headers(stored_headers))
         row = {
@@ -1037,8 +1043,8 @@ class Broker:
         """The upstream's response, unchanged but for hop-by-hop headers, framing and any echo
         of the injected credential (the agent must never see it)."""
         entry = exchange.entry
-        body, _ = exchange.clean_body(response)
-        headers, _ = _redact_headers(_passable(response.headers), exchange.needles)
+        body, _, withheld = exchange.clean_body(response)
+        headers, _ = _redact_headers(_withheld_headers(_passable(response.headers), withheld), exchange.needles)
         if response.framing != "none":
             headers.append(("Content-Length", str(len(body))))
         else:
@@ -1285,6 +1291,16 @@ async def _read(awaitable: Awaitable[T]) -> T:
         return await awaitable
     except queries.UNREACHABLE as exc:
         raise _Unreadable(str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__) from exc
+
+
+WITHHELD_HEADER = "Affidavit-Withheld"
+
+
+def _withheld_headers(headers: list[tuple[str, str]], withheld: str | None) -> list[tuple[str, str]]:
+    """A withheld body is empty: it has no content coding, and the answer says why it is empty."""
+    if withheld is None:
+        return headers
+    return [(k, v) for k, v in headers if k.lower() != "content-encoding"] + [(WITHHELD_HEADER, withheld)]
 
 
 def _redact_headers(headers: list[tuple[str, str]], needles: list[bytes]) -> tuple[list[tuple[str, str]], bool]:
