@@ -237,10 +237,12 @@ async def serve(
         api.should_exit = True
         await asyncio.gather(master_task, api_task, return_exceptions=True)
         await recovery.close()
+        # Cut the exchanges still in flight first: their requests then end with what is known
+        # (REMOTE_OUTCOME_UNKNOWN, say) and write it while the journal still takes writes.
+        await upstream.close()
         await broker.close()
         await journal.close()
         await reader.close()
-        await upstream.close()
         await engine.dispose()
 
 

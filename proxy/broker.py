@@ -347,6 +347,7 @@ class Broker:
         self.credentials = credentials
         self.owner = owner
         self._background: set[asyncio.Task[Any]] = set()
+        self._handling: set[asyncio.Task[Any]] = set()  # requests being handled right now
         for route in settings.routes:
             if route.connect_to:
                 host, _, port = route.connect_to.rpartition(":")
@@ -354,18 +355,24 @@ class Broker:
                     upstream.pin(route.host, route.port, (host.strip("[]"), int(port)))
 
     async def close(self) -> None:
-        """Wait (bounded) for exchanges still recording late results."""
-        if self._background:
-            await asyncio.wait(self._background, timeout=5)
+        """Wait (bounded) for requests still ending and exchanges still recording late results,
+        so that what they learnt is written before the journal closes."""
+        for waiting in (self._handling, self._background):
+            if waiting:
+                await asyncio.wait(set(waiting), timeout=5)
 
     # -- the request path -------------------------------------------------------------------
 
     async def handle(self, req: AgentRequest) -> Reply:
         metrics.IN_FLIGHT.inc()
+        task = asyncio.current_task()
+        if task is not None:
+            self._handling.add(task)
         try:
             return await self._handle(req)
         finally:
             metrics.IN_FLIGHT.dec()
+            self._handling.discard(task)  # type: ignore[arg-type]
 
     async def _handle(self, req: AgentRequest) -> Reply:
         matched = match_route(self.settings.routes, req.agent, req.scheme, req.host, req.port, req.method, req.path)

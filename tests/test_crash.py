@@ -14,6 +14,7 @@ import httpx
 import pytest
 from sqlalchemy.engine import make_url
 
+from tests.conftest import DIALECTS
 from tests.support.broker import BrokerProcess
 from tests.support.envelopes import check_envelope
 from tests.support.hostile import HostileUpstream
@@ -133,6 +134,33 @@ def test_an_unkeyed_request_killed_before_dispatch_leaves_no_false_record(make_b
     # leaves either no record or a not_attempted one, and the upstream saw nothing.
     assert all(row == ("not_attempted", "BROKER_RESTARTED") for row in rows), rows
     assert upstream.effects == 0
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_a_clean_stop_writes_what_it_knows_of_the_requests_it_cuts(make_broker, upstream, dialect):
+    """SIGTERM with a request waiting on the upstream: the request is cut, and its record says
+    so in the journal (REMOTE_OUTCOME_UNKNOWN), not left 'in flight' for a recovery to guess at."""
+    broker = make_broker(dialect, routes=crash_routes(upstream))
+    key = f"stop-{time.monotonic_ns()}"
+    result: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            result["r"] = post(broker, SAFE + "/h/hang", key)
+        except httpx.HTTPError as exc:
+            result["r"] = exc
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    upstream.wait_for_requests(1, timeout=10)
+    assert broker.stop() == 0
+    thread.join(20)
+    invocation_id = record_by_key(broker, key)
+    rows = query(broker.database_url, f"SELECT stage, outcome, code FROM invocations WHERE invocation_id = '{invocation_id}'")
+    assert rows == [("ended_unknown", "unknown", "REMOTE_OUTCOME_UNKNOWN")], rows
+    kinds = [k for (k,) in query(broker.database_url, f"SELECT kind FROM events WHERE invocation_id = '{invocation_id}' ORDER BY seq")]
+    assert kinds[-1] == "FAILED" and "DISPATCH_STARTED" in kinds, kinds
+    assert "BROKER_RESTARTED" not in kinds and "CALLER_CANCELLED" not in kinds, kinds
 
 
 # -- the journal itself fails ------------------------------------------------------------------
