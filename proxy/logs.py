@@ -2,8 +2,8 @@
 
 Every record carries ``ts``, ``level``, ``logger`` and ``msg``; fields passed with ``extra=``
 (invocation id, route, phase, outcome, code, durations) become top-level keys, so a log pipeline
-can filter on them. Library loggers (mitmproxy, uvicorn, asyncio) are kept at WARNING unless the
-broker runs at DEBUG.
+can filter on them. Library loggers (mitmproxy, hpack, uvicorn, SQLAlchemy...) are kept at WARNING
+whatever the level: their debug output would log headers and rows.
 """
 
 from __future__ import annotations
@@ -41,7 +41,10 @@ def setup(level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     numeric = getattr(logging, level.upper(), logging.INFO)
-    root.setLevel(numeric)
-    quiet = logging.DEBUG if numeric <= logging.DEBUG else logging.WARNING
-    for name in ("mitmproxy", "uvicorn", "uvicorn.error", "asyncio", "alembic", "sqlalchemy"):
-        logging.getLogger(name).setLevel(quiet)
+    # Only the broker's own loggers follow the level. Libraries stay at WARNING even at "debug":
+    # their debug output holds what the broker must never log (hpack logs every header an agent
+    # sends, its tokens included; SQLAlchemy logs rows).
+    root.setLevel(max(numeric, logging.WARNING))
+    logging.getLogger("affidavit").setLevel(numeric)
+    for name in ("mitmproxy", "uvicorn", "uvicorn.error", "asyncio", "alembic", "sqlalchemy", "hpack", "h2"):
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -437,6 +437,20 @@ def test_requests_the_proxy_core_refuses_get_envelopes(broker: BrokerProcess, up
     assert upstream.received == []
 
 
+def test_debug_logging_logs_no_header_an_agent_sends(make_broker, upstream: HostileUpstream):
+    """At level debug, libraries' debug output (hpack decodes every HTTP/2 header) would log the
+    agent's own tokens and cookies: only the broker's loggers follow the level."""
+    broker = make_broker(log={"level": "debug"})
+    agent_secret = "agent_cookie_" + "5f0e3c1b9a7d"
+    for version in ("--http2", "--http1.1"):
+        done = broker.curl(f"{PAYMENTS}/h/ok", version, "-H", f"Cookie: session={agent_secret}",
+                           "-H", f"X-Agent-Token: {agent_secret}")
+        assert done.returncode == 0, done.stderr
+    logs = broker.logs()
+    assert '"level":"debug"' in logs or "invocation ended" in logs
+    assert agent_secret not in logs and CANARIES["PAYMENTS_KEY"] not in logs
+
+
 @pytest.mark.parametrize("version", ["--http1.1", "--http2"])
 def test_an_oversized_body_gets_the_payload_limit_envelope_over_either_http_version(broker: BrokerProcess, upstream: HostileUpstream, version, tmp_path):
     big = tmp_path / "big"
