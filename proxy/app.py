@@ -30,7 +30,7 @@ from .crypto import KeyRing
 from .failpoints import failpoint
 from .recovery import Recovery
 from .store import migrate
-from .store.journal import Journal, make_engine
+from .store.journal import Journal, brief, make_engine
 from .store.reads import ResultReader
 from .upstream import Upstream
 
@@ -68,10 +68,16 @@ def prepare_database(settings: Settings) -> None:
     auto = settings.database.auto_upgrade
     if auto is None:
         auto = settings.database.is_sqlite
-    if auto:
-        migrate.upgrade(settings.database.url)
-        return
-    current = migrate.current(settings.database.url)
+    try:
+        if auto:
+            migrate.upgrade(settings.database.url)
+            return
+        current = migrate.current(settings.database.url)
+    except Exception as exc:  # the database cannot be reached or used: one line, not a traceback
+        raise StartupError(
+            f"database.url {redact_url(settings.database.url)}: {brief(exc)}. Nothing was started; check that the "
+            "database is up and reachable with this URL, then start again."
+        ) from None
     if current != migrate.head():
         raise ConfigError(
             f"database.url: the schema is at {current or 'nothing'}, this broker needs {migrate.head()}. "
@@ -358,7 +364,11 @@ def run(settings: Settings, worker: int | None = None) -> int:
     logs.setup(settings.log.level)
     tokens, operator = resolve_tokens(settings)
     ring = KeyRing.from_settings(settings.crypto)  # a bad key stops the start (ConfigError)
-    prepare_database(settings)
+    try:
+        prepare_database(settings)
+    except StartupError as exc:
+        print(f"affidavit: cannot start: {exc}", file=sys.stderr)
+        return 1
     main = serve(settings, tokens, operator, ring, announce=lambda text: print(text, flush=True), worker=worker)
     try:
         with asyncio.Runner(loop_factory=SharedPortLoop if worker is not None else None) as runner:

@@ -70,14 +70,18 @@ def run(
     count = workers if workers is not None else settings.proxy.workers
     try:
         if count > 1 and worker_index is None:
-            from .app import prepare_database, resolve_tokens
+            from .app import StartupError, prepare_database, resolve_tokens
             from .crypto import KeyRing
             from .workers import supervise
 
             # Everything a worker would refuse, refused once, before any worker starts.
             resolve_tokens(settings)
             KeyRing.from_settings(settings.crypto)
-            prepare_database(settings)
+            try:
+                prepare_database(settings)
+            except StartupError as exc:
+                typer.echo(f"affidavit: cannot start: {exc}", err=True)
+                raise typer.Exit(1) from None
             code = supervise(settings, config, count)
         else:
             code = run_broker(settings, worker=worker_index)
@@ -137,8 +141,9 @@ def db_upgrade(config: ConfigOption = None) -> None:
     try:
         migrate.upgrade(settings.database.url)
     except Exception as exc:
-        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-        typer.echo(f"affidavit: could not upgrade {redact_url(settings.database.url)}: {reason}", err=True)
+        from .store.journal import brief
+
+        typer.echo(f"affidavit: could not upgrade {redact_url(settings.database.url)}: {brief(exc)}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"affidavit: {redact_url(settings.database.url)} is at revision {migrate.head()}")
 

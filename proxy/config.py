@@ -7,6 +7,7 @@ file, the key and the reason; nothing starts half-configured.
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from fnmatch import fnmatchcase
@@ -27,6 +28,7 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     TomlConfigSettingsSource,
 )
 
@@ -408,6 +410,15 @@ def load_settings(path: Path | None = None, **overrides: Any) -> Settings:
         return Settings(**overrides)
     except ValidationError as exc:
         raise ConfigError(_describe(where, exc)) from None
+    except SettingsError as exc:  # an environment value pydantic-settings could not even parse
+        field = exc.args[0].split('"')[1] if exc.args and exc.args[0].count('"') >= 2 else "?"
+        names = sorted(k for k in os.environ if k.upper().startswith(f"AFFIDAVIT_{field.upper()}"))
+        reason = f"{type(exc.__cause__).__name__}: {exc.__cause__}" if exc.__cause__ else str(exc)
+        raise ConfigError(
+            f"environment: {', '.join(names) or 'AFFIDAVIT_' + field.upper()}: not valid JSON ({reason}). Lists such as "
+            "AFFIDAVIT_AGENTS, AFFIDAVIT_ROUTES and AFFIDAVIT_CRYPTO__KEYS take JSON, e.g. "
+            "AFFIDAVIT_CRYPTO__KEYS='[\"k1=file:/run/secrets/key\"]'"
+        ) from None
     finally:
         Settings._toml_path = None
 

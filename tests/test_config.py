@@ -261,3 +261,23 @@ def test_the_test_brokers_first_start_moves_off_a_port_taken_meanwhile(make_brok
     assert broker.proxy_port != taken and broker.starts == 1
     with broker.client() as client:
         assert client.get("https://unknown.example.test/x").status_code == 403
+
+
+@pytest.mark.parametrize(("variable", "value"), [("AFFIDAVIT_CRYPTO__KEYS", "k1=file:/x"), ("AFFIDAVIT_AGENTS", "not json")])
+def test_a_list_variable_that_is_not_json_is_a_clear_error_not_a_traceback(tmp_path, variable, value):
+    env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")}, variable: value}
+    done = subprocess.run([AFFIDAVIT, "env"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 2, done.stderr
+    assert f"environment: {variable}: not valid JSON" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_database_that_cannot_be_reached_at_start_is_one_line_not_a_traceback(tmp_path, workers):
+    from tests.support.broker import free_port
+
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")}
+    env["AFFIDAVIT_DATABASE__URL"] = f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/nowhere"
+    done = subprocess.run([AFFIDAVIT, "run", "--workers", workers], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "affidavit: cannot start: database.url postgresql+asyncpg://postgres@127.0.0.1:" in done.stderr
+    assert "check that the database is up" in done.stderr and "Traceback" not in done.stderr

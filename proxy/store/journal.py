@@ -258,7 +258,7 @@ class Journal:
                     )
                 ).first()
         except Exception as exc:  # the database may be down at start; the writer retries per batch
-            log.warning("journal: could not read the chain head at start: %s", _brief(exc))
+            log.warning("journal: could not read the chain head at start: %s", brief(exc))
             self._rotate_chain()
         else:
             if last is not None:
@@ -269,7 +269,7 @@ class Journal:
             try:
                 await self._sqlite_writer.start()
             except Exception as exc:  # every batch tries again, and fails closed if it must
-                self.start_problem = f"the SQLite journal's writer process could not start: {_brief(exc)}"
+                self.start_problem = f"the SQLite journal's writer process could not start: {brief(exc)}"
                 log.error("journal: %s", self.start_problem)
         self._closing = False
         self._task = asyncio.create_task(self._run(), name="affidavit journal writer")
@@ -454,8 +454,8 @@ class Journal:
             self.healthy = False
             await self._drop_connection()
             self._rotate_chain()
-            log.warning("journal write failed; %d write(s) not recorded: %s", len(live), _brief(exc))
-            error = JournalUnavailable(_brief(exc))
+            log.warning("journal write failed; %d write(s) not recorded: %s", len(live), brief(exc))
+            error = JournalUnavailable(brief(exc))
             for w in live:
                 if not w.future.done():  # type: ignore[union-attr]
                     w.future.set_exception(error)  # type: ignore[union-attr]
@@ -640,7 +640,7 @@ class Journal:
                             self._insert(statements, [w], chain)
                     except statements.integrity_errors as exc:
                         chain[:] = saved
-                        refused[id(w)] = LeaseLost(f"conflicting write: {_brief(exc)}")
+                        refused[id(w)] = LeaseLost(f"conflicting write: {brief(exc)}")
             else:
                 self._insert(statements, kept, chain)
             mark = self._checkpoint(chain)
@@ -708,7 +708,7 @@ def projection_row(invocation_id: str, values: dict[str, Any]) -> dict[str, Any]
     return row
 
 
-def _brief(exc: BaseException) -> str:
+def brief(exc: BaseException) -> str:
     """One line for operators; driver exception names stay in logs, never in envelopes."""
     if isinstance(exc, asyncio.TimeoutError):
         return "the database did not answer in time"
