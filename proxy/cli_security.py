@@ -96,16 +96,22 @@ def _read_value(ctx: typer.Context, verb: str) -> str:
 
 def _store(ctx: typer.Context, config: Path | None, name: str, verb: str) -> None:
     from . import vault
+    from .app import StartupError, prepare_database
     from .crypto import KeyRing
 
     value = _read_value(ctx, verb)
     settings = settings_or_exit(config)
     try:
         ring = KeyRing.from_settings(settings.crypto)
+        # The schema as `affidavit run` would have it: a new SQLite journal is created and
+        # upgraded (the vault lives in it); PostgreSQL must have been upgraded already.
+        prepare_database(settings)
         store = vault.rotate if verb == "rotate" else vault.put
         version = _with_engine(settings.database.url, lambda engine: store(engine, ring, name, value))
     except ConfigError as exc:
         _fail(str(exc), 2)
+    except StartupError as exc:
+        _fail(f"{exc}; nothing was stored")
     except CredentialUnavailable as exc:
         _fail(f"{exc.message} ({exc.code.value}); nothing was stored")
     except ValueError as exc:

@@ -318,3 +318,16 @@ def in_terminal(argv: list[str], *, cwd: Path, env: dict[str, str], answers: lis
             _, status = os.waitpid(pid, 0)
         os.close(fd)
     return output.decode(errors="replace"), os.waitstatus_to_exitcode(status)
+
+
+def test_secrets_set_on_a_new_sqlite_journal_creates_it_as_the_broker_would(tmp_path: Path):
+    """The vault lives in the journal; on the embedded default a fresh directory has none yet."""
+    workdir = tmp_path / "fresh"
+    workdir.mkdir()
+    config = write_config(workdir, f"sqlite+aiosqlite:///{workdir / 'journal.db'}")
+    key = generate_key()
+    done = run_cli("secrets_app", "set", "payments-key", "-c", str(config), cwd=workdir, env=cli_env(key), stdin=canary())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "affidavit: stored payments-key v1"
+    listed = run_cli("secrets_app", "list", "-c", str(config), cwd=workdir, env=cli_env(key))
+    assert "payments-key: v1" in listed.stdout, listed.stderr
