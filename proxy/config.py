@@ -405,6 +405,13 @@ def load_settings(path: Path | None = None, **overrides: Any) -> Settings:
             tomllib.loads(toml_path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{toml_path}: not valid TOML: {exc}") from None
+    typos = [name for name in os.environ if name.upper().startswith("AFFIDAVIT_") and "__" in name
+             and name[len("AFFIDAVIT_"):].split("__", 1)[0].lower() not in Settings.model_fields]
+    if typos:  # pydantic-settings ignores a variable whose section it does not know
+        raise ConfigError(
+            f"environment: {', '.join(sorted(typos))}: no such section (a typo? sections: "
+            f"{', '.join(k for k in Settings.model_fields if not k.startswith('_'))})"
+        )
     Settings._toml_path = toml_path
     try:
         return Settings(**overrides)

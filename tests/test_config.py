@@ -281,3 +281,12 @@ def test_a_database_that_cannot_be_reached_at_start_is_one_line_not_a_traceback(
     assert done.returncode == 1, done.stderr[-2000:]
     assert "affidavit: cannot start: database.url postgresql+asyncpg://postgres@127.0.0.1:" in done.stderr
     assert "check that the database is up" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_environment_variable_for_a_section_that_does_not_exist_is_refused(tmp_path):
+    env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")},
+           "AFFIDAVIT_PROXYY__LISTEN": "127.0.0.1:9999", "AFFIDAVIT_API_URL": "http://127.0.0.1:8081"}
+    done = subprocess.run([AFFIDAVIT, "env"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 2, done.stderr
+    assert "environment: AFFIDAVIT_PROXYY__LISTEN: no such section (a typo?" in done.stderr
+    assert "AFFIDAVIT_API_URL" not in done.stderr, "an agent shell's own variable is not a setting"
