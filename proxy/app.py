@@ -78,6 +78,11 @@ def prepare_database(settings: Settings) -> None:
             f"database.url {redact_url(settings.database.url)}: {brief(exc)}. Nothing was started; check that the "
             "database is up and reachable with this URL, then start again."
         ) from None
+    if current is not None and not migrate.known(current):
+        raise ConfigError(
+            f"database.url: the schema is at {current}, which a newer broker made; this broker knows only up to "
+            f"{migrate.head()} (and `affidavit db upgrade` from it cannot go back). Run the newer version's broker."
+        )
     if current != migrate.head():
         raise ConfigError(
             f"database.url: the schema is at {current or 'nothing'}, this broker needs {migrate.head()}. "

@@ -290,3 +290,21 @@ def test_an_environment_variable_for_a_section_that_does_not_exist_is_refused(tm
     assert done.returncode == 2, done.stderr
     assert "environment: AFFIDAVIT_PROXYY__LISTEN: no such section (a typo?" in done.stderr
     assert "AFFIDAVIT_API_URL" not in done.stderr, "an agent shell's own variable is not a setting"
+
+
+def test_a_broker_older_than_its_schema_says_so_instead_of_advising_an_upgrade(tmp_path, pg_admin_url):
+    from tests.support.journal import query
+    from tests.support.pg import fresh_database
+
+    url, drop = fresh_database(pg_admin_url)
+    try:
+        env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")},
+               "AFFIDAVIT_DATABASE__URL": url}
+        upgraded = subprocess.run([AFFIDAVIT, "db", "upgrade"], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+        assert upgraded.returncode == 0, upgraded.stderr
+        query(url, "UPDATE alembic_version SET version_num = '9999'")  # as a newer broker would leave it
+        done = subprocess.run([AFFIDAVIT, "run"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert "the schema is at 9999, which a newer broker made" in done.stderr and "Traceback" not in done.stderr
+    finally:
+        drop()

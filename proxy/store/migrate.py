@@ -54,3 +54,10 @@ def head() -> str:
     from alembic.script import ScriptDirectory
 
     return ScriptDirectory.from_config(_config("sqlite://")).get_current_head() or ""
+
+
+def known(revision: str) -> bool:
+    """Whether this installation's history has ``revision`` (a newer broker's schema is not)."""
+    from alembic.script import ScriptDirectory
+
+    return any(script.revision == revision for script in ScriptDirectory.from_config(_config("sqlite://")).walk_revisions())
