@@ -22,6 +22,7 @@ from . import decisions
 from .broker import CODE_HEADER, INVOCATION_HEADER, OUTCOME_HEADER, REPLAYED_HEADER, Broker, LookupUnavailable, note_replay
 from .store.journal import Journal
 from .contract import Code, Outcome, Phase, Retry, Stage
+from .crypto import DecryptError
 from .envelope import MEDIA_TYPE, envelope
 from .invocation_view import describe, iso
 from .store import queries
@@ -122,6 +123,12 @@ def create_app(
 
     for kind in queries.UNREACHABLE:
         app.add_exception_handler(kind, _journal_away)
+
+    @app.exception_handler(DecryptError)
+    async def _undecryptable(_request: Request, exc: DecryptError) -> JSONResponse:
+        log.warning("side API: a record could not be decrypted: %s", exc)
+        return _problem(500, "Unreadable record", f"The record cannot be read: {exc}. Nothing was changed. Operators: "
+                        "put the key it was stored under back in [crypto] keys (docs/vault.md, key rotation).")
 
     async def principal(request: Request) -> Principal:  # async: no thread hop per request
         header = request.headers.get("authorization", "")

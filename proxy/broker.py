@@ -48,6 +48,7 @@ from .contract import (
     retry_after_seconds,
     retry_hint,
 )
+from .crypto import DecryptError
 from .credentials import (
     CredentialUnavailable,
     Credentials,
@@ -561,6 +562,13 @@ class Broker:
             return self._unreadable(exc)
 
     def _unreadable(self, exc: "_Unreadable") -> Reply:
+        if exc.decrypt:
+            log.warning("a request with an idempotency key could not be checked against its invocation's record: %s; "
+                        "refused as JOURNAL_UNAVAILABLE, nothing sent. Put the key back in [crypto] keys.", exc)
+            return self._journal_unavailable(message=(
+                "The broker cannot read the record this idempotency key is bound to (it was encrypted under a key "
+                "this broker no longer has), so it sent nothing. Retry after a delay; operators: put the old key "
+                "back in [crypto] keys."))
         log.warning("a request with an idempotency key could not be checked against the journal, which did not "
                     "answer (%s); refused as JOURNAL_UNAVAILABLE, nothing sent", exc)
         return self._journal_unavailable()
@@ -1112,17 +1120,17 @@ class Broker:
                    (OUTCOME_HEADER, outcome.value), *should_retry(Retry.BACKOFF)]
         return Reply(status_for(Code.LEASE_LOST), headers, encode(body), entry.invocation_id)
 
-    def _journal_unavailable(self, entry: InvocationLog | None = None) -> Reply:
+    def _journal_unavailable(self, entry: InvocationLog | None = None, message: str | None = None) -> Reply:
         """Nothing was sent because the journal refused a write. ``entry``: the invocation, if
         part of its record is already durable (a bound key): the answer names it, and the broker
         ends that record once the journal takes writes again."""
         invocation_id = entry.invocation_id if entry is not None and entry.durable else None
         if entry is not None:  # even a failed commit may have landed: look once the journal answers
             self._spawn(self._close_when_journal_returns(entry.invocation_id))
-        if invocation_id is None:
+        if message is None and invocation_id is None:
             message = ("The broker cannot write its journal, so it sent nothing (it never forwards without a durable "
                        "record). No invocation was recorded. Retry after a delay; operators: check the database.")
-        else:
+        elif message is None:
             message = (f"The broker cannot write its journal, so it sent nothing (it never forwards without a durable "
                        f"record). Invocation {invocation_id} stays open until the database answers, then it is "
                        "closed as not attempted. Retry after a delay with the same key; operators: check the database.")
@@ -1289,13 +1297,21 @@ T = TypeVar("T")
 
 
 class _Unreadable(Exception):
-    """A read the broker needs before it may send anything failed: the database did not answer."""
+    """A read the broker needs before it may send anything failed: the database did not answer
+    (or, ``decrypt``, the record is under a key this broker does not have)."""
+
+    def __init__(self, reason: str, decrypt: bool = False):
+        super().__init__(reason)
+        self.decrypt = decrypt
 
 
 async def _read(awaitable: Awaitable[T]) -> T:
-    """``await awaitable``, a journal read; the database not answering becomes :class:`_Unreadable`."""
+    """``await awaitable``, a journal read; the database not answering, or a record this broker's
+    keys cannot decrypt, becomes :class:`_Unreadable`."""
     try:
         return await awaitable
+    except DecryptError as exc:
+        raise _Unreadable(f"the record cannot be decrypted: {exc}", decrypt=True) from exc
     except queries.UNREACHABLE as exc:
         raise _Unreadable(str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__) from exc
 

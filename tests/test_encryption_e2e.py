@@ -10,6 +10,7 @@ import pytest
 
 from proxy.crypto import generate_key
 from tests.support.broker import BrokerProcess
+from tests.support.envelopes import check_envelope
 from tests.support.hostile import HostileUpstream
 from tests.support.journal import dump_journal, query
 
@@ -92,3 +93,34 @@ def test_a_vault_credential_without_keys_is_vault_locked(make_broker, upstream, 
     assert (body["error"]["code"], body["error"]["phase"], body["error"]["outcome"]) == (
         "VAULT_LOCKED", "credential_injection", "not_attempted")
     assert upstream.received == []
+
+
+def test_records_under_a_dropped_key_get_clear_answers_not_bare_500s(make_broker, upstream, tmp_path):
+    """The operator removes the old key too early: the side API and a same-key repeat say what is
+    wrong (the key), and nothing is sent."""
+    broker = start_with_keys(make_broker, upstream, "sqlite", tmp_path, keys=True)
+    key = "dropped-" + secrets.token_hex(4)
+    with broker.client() as client:
+        first = client.post("https://vaulted.example.test/h/ok", content=b"{}", headers={"Idempotency-Key": key})
+    assert first.status_code == 200
+    invocation_id = first.headers["affidavit-invocation-id"]
+    broker.wait_for(invocation_id, lambda r: r["stage"] == "delivered")
+    broker.stop()
+    other = tmp_path / "k2.key"
+    other.write_text(generate_key())
+    broker.config["crypto"] = {"keys": [f"k2=file:{other}"]}
+    broker.config_path.write_text(__import__("tomli_w").dumps(broker.config))
+    broker.start()
+    with broker.operator() as api:
+        for path in (f"/v1/invocations/{invocation_id}", f"/v1/invocations/{invocation_id}/result"):
+            answer = api.get(path)
+            assert answer.status_code == 500 and answer.headers["content-type"] == "application/problem+json", answer.text
+            assert "stored under key 'k1'" in answer.json()["detail"] and "[crypto] keys" in answer.json()["detail"]
+    sent = len(upstream.received)
+    with broker.client() as client:
+        again = client.post("https://vaulted.example.test/h/ok", content=b"{}", headers={"Idempotency-Key": key})
+    body = check_envelope(again.content)
+    assert (again.status_code, body["error"]["code"], body["error"]["outcome"]) == (503, "JOURNAL_UNAVAILABLE", "not_attempted")
+    assert "encrypted under a key" in body["error"]["message"]
+    assert len(upstream.received) == sent, "nothing was sent"
+    assert "Traceback" not in broker.logs()
