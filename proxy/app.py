@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,7 +170,10 @@ async def serve(
         await journal.close()
         await engine.dispose()
         raise StartupError(f"{journal.start_problem}; see the log above")
-    upstream = Upstream(ca_bundle=settings.upstream.ca_bundle)
+    try:
+        upstream = Upstream(ca_bundle=settings.upstream.ca_bundle)
+    except (OSError, ssl.SSLError) as exc:
+        raise StartupError(f"upstream.ca_bundle {settings.upstream.ca_bundle}: {exc.strerror or exc}") from None
     credentials = Credentials(settings, engine, ring)
     reader = ResultReader(settings.database.url, size=min(4, settings.database.pool_size), timeout=5.0)
     broker = Broker(settings, journal, upstream, credentials, owner)

@@ -195,8 +195,9 @@ def audit_verify(
         for other in result.breaks[1:]:
             typer.echo(f"  {other.describe()}", err=True)
     typer.echo(
-        f"affidavit: ({counts}.) Events from the first broken position on in that chain cannot be trusted; "
-        "compare with a backup or an earlier `affidavit audit export`, and see docs/audit.md",
+        f"affidavit: ({counts}.) In that chain, events from the first broken position on cannot be trusted (for "
+        "`rewritten`: everything up to the checkpoint); compare with a backup or an earlier `affidavit audit export`, "
+        "and see docs/audit.md",
         err=True,
     )
     raise typer.Exit(1)

@@ -170,7 +170,7 @@ class CryptoSection(_Section):
     @field_validator("keys")
     @classmethod
     def _distinct(cls, keys: list[str]) -> list[str]:
-        _unique("crypto.keys", [k.split("=", 1)[0] for k in keys])
+        _unique("", [k.split("=", 1)[0] for k in keys])  # the error's location already says crypto.keys
         return keys
 
     def entries(self) -> list[tuple[str, str]]:
@@ -381,7 +381,7 @@ def _unique(section: str, names: list[str]) -> set[str]:
     seen: set[str] = set()
     for name in names:
         if name in seen:
-            raise ValueError(f"{section}: the name {name!r} is used twice")
+            raise ValueError(f"{section}: the name {name!r} is used twice" if section else f"the name {name!r} is used twice")
         seen.add(name)
     return seen
 

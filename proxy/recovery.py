@@ -34,7 +34,7 @@ from . import metrics
 from .contract import CallerDisposition, Code, EventKind, Phase, Record, Stage, project
 from .invocation_log import InvocationLog, identity_of, utcnow
 from .store import queries
-from .store.journal import Journal
+from .store.journal import Journal, brief
 from .store.schema import brokers, invocations
 
 log = logging.getLogger("affidavit.recovery")
@@ -145,7 +145,8 @@ class Recovery:
                 )
         except Exception as exc:
             if self._healthy_since is not None:
-                log.warning("heartbeat failed (journal unreachable?): %s", exc)
+                log.warning("heartbeat failed (journal unreachable?): %s; other brokers may take this one's "
+                            "in-flight records over after recovery.stale_after", brief(exc))
             self._healthy_since = None
             return
         if self._healthy_since is None:

@@ -330,10 +330,14 @@ class _Connection(asyncio.Protocol):
         if head_pending:
             # Count the head only: the read that ends it may carry much of the body too (one
             # read can hold 256 KiB). Its end is the first blank line, which may straddle reads.
-            seen = reading.head_tail + data
-            end = seen.find(b"\r\n\r\n")
-            head_part = len(data) if end < 0 else max(0, end + 4 - len(reading.head_tail))
-            reading.head_tail = seen[-3:]
+            tail = reading.head_tail
+            straddle = (tail + data[:3]).find(b"\r\n\r\n") if tail else -1
+            if straddle >= 0:
+                head_part = straddle + 4 - len(tail)
+            else:
+                end = data.find(b"\r\n\r\n")
+                head_part = len(data) if end < 0 else end + 4
+            reading.head_tail = data[-3:] if len(data) >= 3 else (tail + data)[-3:]
             if reading.head_bytes + head_part > MAX_RESPONSE_HEAD:
                 self._broken(ResponseBroken(f"the upstream's response head exceeds {MAX_RESPONSE_HEAD} bytes"))
                 return

@@ -214,6 +214,7 @@ def test_a_deleted_tail_row_is_caught_by_a_checkpoint(journal):
     assert audit.verify(stored, []).ok, "control: without the checkpoint a cut tail leaves no trace"
     first = assert_first_break(audit.verify(stored, marks), Damage.DELETED, "w1", last_ws, None, None)
     assert f"reached writer_seq {last_ws}" in first.detail
+    assert "at least its last 1 event(s) were removed" in first.detail, "only what the checkpoint proves"
 
 
 def test_a_forged_row_inserted_with_a_correct_hash_is_found(journal):
@@ -324,6 +325,8 @@ def test_a_chain_rewritten_with_recomputed_hashes_is_caught_only_by_an_earlier_e
     )
     assert audit.verify_database(journal).ok, "control: a consistent re-hash is invisible without outside evidence"
     extra = audit.read_dump(earlier)[1]
+    again = audit.verify_dump(earlier, extra)
+    assert again.ok and again.checkpoints == len(extra), "an export checked against itself counts each checkpoint once"
     # The first checkpoint at or after the re-hashed row is where the rewrite shows.
     at = min(m["writer_seq"] for m in extra if m["writer"] == "w1" and m["writer_seq"] >= ws)
     _, at_inv, at_seq, _ = rows[at - 1]

@@ -308,3 +308,16 @@ def test_a_broker_older_than_its_schema_says_so_instead_of_advising_an_upgrade(t
         assert "the schema is at 9999, which a newer broker made" in done.stderr and "Traceback" not in done.stderr
     finally:
         drop()
+
+
+def test_a_missing_ca_bundle_and_a_doubled_key_id_are_named_once(tmp_path, monkeypatch):
+    env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")},
+           "AFFIDAVIT_UPSTREAM__CA_BUNDLE": str(tmp_path / "nowhere.pem")}
+    done = subprocess.run([AFFIDAVIT, "run"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"cannot start: upstream.ca_bundle {tmp_path / 'nowhere.pem'}: No such file or directory" in done.stderr
+    monkeypatch.setenv("AFFIDAVIT_CRYPTO__KEYS", '["k=env:A", "k=env:B"]')
+    with pytest.raises(ConfigError) as refused:
+        load_settings()
+    assert "crypto.keys: the name 'k' is used twice" in str(refused.value)
+    assert "crypto.keys: crypto.keys" not in str(refused.value)

@@ -220,6 +220,8 @@ def test_an_unreachable_journal_fails_closed_and_the_broker_serves_again_when_it
         again = client.post(CRASH + "/h/ok", content=b"{}")
     assert again.status_code == 200, again.text
     assert upstream.effects == 3, "nothing was forwarded while the journal was down"
+    logs = broker.logs()
+    assert "Requests waiting on them were refused" in logs and "journal writes work again" in logs
     assert "journal write failed" not in broker.logs().split("could not be checked against the journal")[-1]
 
 

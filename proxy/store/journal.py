@@ -454,12 +454,19 @@ class Journal:
             self.healthy = False
             await self._drop_connection()
             self._rotate_chain()
-            log.warning("journal write failed; %d write(s) not recorded: %s", len(live), brief(exc))
+            log.warning(
+                "journal write failed; %d write(s) not recorded: %s. Requests waiting on them were refused "
+                "(JOURNAL_UNAVAILABLE, nothing sent) or, for a result, delivered flagged RESULT_STORE_FAILED and "
+                "written later; the next write tries a new connection. Operators: check the database.",
+                len(live), brief(exc),
+            )
             error = JournalUnavailable(brief(exc))
             for w in live:
                 if not w.future.done():  # type: ignore[union-attr]
                     w.future.set_exception(error)  # type: ignore[union-attr]
             return
+        if not self.healthy:
+            log.warning("journal writes work again (%d failed batch(es) so far); requests are served", self.errors)
         self.healthy = True
         self.batches += 1
         for w in live:
