@@ -140,7 +140,7 @@ def redact_body(body: bytes, content_encoding: str | None, needles: list[bytes],
     Returns (body, whether anything was replaced, why the body could not be looked inside, if it
     could not). A decoded body that held a needle is redacted and encoded again the same way."""
     raw, changed = redact(body, needles)
-    applied = codings_of(content_encoding) if needles else []
+    applied = codings_of(content_encoding) if needles and body else []  # no body (HEAD, 304): nothing inside
     if not applied:
         return raw, changed, None
     try:

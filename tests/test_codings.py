@@ -65,3 +65,9 @@ def test_redact_body_leaves_a_clean_or_uninspectable_body_byte_for_byte():
     assert (body, changed) == (b"\x00junk", False) and problem is not None
     plain = b"Bearer " + SECRET
     assert redact_body(plain, None, [SECRET], 1 << 20) == (b"Bearer [REDACTED]", True, None)
+
+
+@pytest.mark.parametrize("coding", ["gzip", "br", "zstd", "deflate", "compress"])
+def test_an_empty_body_with_a_coding_header_is_left_alone(coding: str):
+    """A response to HEAD, or a 304, names the coding of a body it does not carry."""
+    assert redact_body(b"", coding, [SECRET], 1 << 20) == (b"", False, None)
