@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ByteSize,
@@ -81,6 +82,19 @@ def _check_source(value: str) -> str:
 SecretSource = Annotated[str, BeforeValidator(_check_source)]
 
 
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+def _token(value: str) -> str:
+    """An HTTP token (RFC 9110 5.6.2): what a header name or a method must be."""
+    if not _TOKEN.fullmatch(value):
+        raise ValueError(f"{value!r} is not a valid HTTP token (a header name or method: letters, digits, !#$%&'*+-.^_`|~)")
+    return value
+
+
+Token = Annotated[str, AfterValidator(_token)]
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -93,7 +107,7 @@ class ProxySection(_Section):
     #: Default request-body limit for routes that set none.
     max_body: ByteSize = ByteSize(10 * 1024 * 1024)
     #: Request header agents may use to mark one logical operation (see docs/retries.md).
-    idempotency_header: str = "Idempotency-Key"
+    idempotency_header: Token = "Idempotency-Key"
     #: How long a re-send may hold an invocation before it must have dispatched.
     retry_lease: Duration = 30.0
     #: Broker processes sharing the listen ports (SO_REUSEPORT) and one journal; see docs/performance.md.
@@ -208,7 +222,7 @@ class Secret(_Section):
 class Injection(_Section):
     """How the credential is attached: a header template, or HTTP Basic with a fixed user."""
 
-    header: str | None = None
+    header: Token | None = None
     value: str = "{secret}"
     basic: str | None = Field(default=None, description="HTTP Basic username; the secret is the password")
     #: The exact value an agent may send in the injected header to satisfy an SDK that insists
@@ -222,6 +236,8 @@ class Injection(_Section):
             raise ValueError("set exactly one of 'header' (with 'value') or 'basic'")
         if self.header is not None and "{secret}" not in self.value:
             raise ValueError("'value' must contain '{secret}'")
+        if self.basic is not None and self.value != "{secret}":
+            raise ValueError("'value' has no effect with 'basic' (the secret is the password); remove it")
         return self
 
     @property
@@ -236,7 +252,7 @@ class Injection(_Section):
 class Idempotency(_Section):
     """A declared remote contract: the service binds this header's key to one operation."""
 
-    header: str = "Idempotency-Key"
+    header: Token = "Idempotency-Key"
     scope: str
     retention: Duration
 
@@ -283,7 +299,7 @@ class Route(_Section):
     def _upper(cls, methods: list[str]) -> list[str]:
         if not methods:
             raise ValueError("list at least one method")
-        return [m.upper() for m in methods]
+        return [_token(m).upper() for m in methods]
 
     @field_validator("host")
     @classmethod

@@ -82,6 +82,11 @@ def test_the_environment_overrides_the_file(tmp_path, monkeypatch):
         (('url = "sqlite+aiosqlite:///{db}"', 'url = "sqlite+aiosqlite:///:memory:"'), "database.url", "in-memory SQLite"),
         (('url = "sqlite+aiosqlite:///{db}"', 'url = "sqlite+aiosqlite://"'), "database.url", "in-memory SQLite"),
         (('url = "sqlite+aiosqlite:///{db}"', 'url = "sqlite+aiosqlite:///file::memory:?cache=shared&uri=true"'), "database.url", "in-memory SQLite"),
+        (('methods = ["post"]', 'methods = ["FOO BAR"]'), "routes[0].methods", "not a valid HTTP token"),
+        (('header = "Authorization", value', 'header = "Bad Header:", value'), "routes[0].inject.header", "not a valid HTTP token"),
+        (('header = "Authorization", value', 'header = "", value'), "routes[0].inject.header", "not a valid HTTP token"),
+        (('header = "Idempotency-Key", scope', 'header = "Idem Key", scope'), "routes[0].idempotency.header", "not a valid HTTP token"),
+        (('inject = {{ header = "Authorization", value = "Bearer {{secret}}" }}', 'inject = {{ basic = "svc", value = "x{{secret}}" }}'), "routes[0].inject", "no effect with 'basic'"),
     ],
 )
 def test_a_bad_value_names_file_key_and_reason(tmp_path, mutation, key, reason):
