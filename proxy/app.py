@@ -387,4 +387,5 @@ def run(settings: Settings, worker: int | None = None) -> int:
     except (StartupError, OSError) as exc:
         print(f"affidavit: cannot start: {exc}", file=sys.stderr)
         return 1
+    print("affidavit: stopped" if worker is None else f"affidavit: worker {worker} stopped", flush=True)
     return 0

@@ -361,6 +361,10 @@ class Broker:
         for waiting in (self._handling, self._background):
             if waiting:
                 await asyncio.wait(set(waiting), timeout=5)
+        if self._handling:
+            log.warning("%d request(s) were still being handled after 5 s and are left as they are: their records "
+                        "stay in flight until recovery closes them (at the next start, or by another broker)",
+                        len(self._handling))
 
     # -- the request path -------------------------------------------------------------------
 

@@ -161,6 +161,7 @@ def test_a_clean_stop_writes_what_it_knows_of_the_requests_it_cuts(make_broker, 
     kinds = [k for (k,) in query(broker.database_url, f"SELECT kind FROM events WHERE invocation_id = '{invocation_id}' ORDER BY seq")]
     assert kinds[-1] == "FAILED" and "DISPATCH_STARTED" in kinds, kinds
     assert "BROKER_RESTARTED" not in kinds and "CALLER_CANCELLED" not in kinds, kinds
+    assert "affidavit: stopped" in broker.logs() and "still being handled" not in broker.logs()
 
 
 # -- the journal itself fails ------------------------------------------------------------------
