@@ -48,6 +48,7 @@ from .contract import (
     retry_after_seconds,
     retry_hint,
 )
+from .codings import Undecodable, codings_of, decode
 from .crypto import DecryptError
 from .credentials import (
     CredentialUnavailable,
@@ -196,22 +197,44 @@ class _Exchange:
         self.attempt = max(entry.record.attempt_count, 1)
         self._clean: tuple[UpstreamResponse, bytes, bool, str | None] | None = None
 
+    async def prepare_body(self, response: UpstreamResponse) -> None:
+        """Work out :meth:`clean_body` in a thread when it means decoding a sizeable body, so a
+        large or hostile one does not hold up every other request."""
+        if self._clean is None and len(response.body) > _INLINE_DECODE and (self.needles or _transfer_codings(response)):
+            await asyncio.to_thread(self.clean_body, response)
+
     def clean_body(self, response: UpstreamResponse) -> tuple[bytes, bool, str | None]:
         """(body, redacted, withheld): the response body with every echo of the injected
         credential replaced, also inside its content coding; worked out once per response (it
-        is stored and delivered). A body the broker cannot look inside on a route that injects
-        a credential is withheld (empty; ``withheld`` says why): it might hold the secret."""
+        is stored and delivered). A transfer coding other than chunked (the broker drops the
+        hop-by-hop header) is undone first. A body the broker cannot look inside on a route
+        that injects a credential is withheld (empty; ``withheld`` says why): it might hold
+        the secret."""
         if self._clean is None or self._clean[0] is not response:
+            limit = self.request.max_response_body
+            body, problem = response.body, None
+            transfer = _transfer_codings(response)
+            if transfer and body:
+                try:
+                    body = decode(body, transfer, limit)
+                except Undecodable as exc:
+                    problem = f"Transfer-Encoding {', '.join(transfer)}: {exc}"
             codings = ", ".join(v for k, v in response.headers if k.lower() == "content-encoding") or None
-            body, changed, problem = redact_body(response.body, codings, self.needles, self.request.max_response_body)
+            if problem is None:
+                body, changed, inside = redact_body(body, codings, self.needles, limit)
+                problem = inside and f"Content-Encoding {codings}: {inside}"
+            else:
+                body, changed = redact(body, self.needles)
             withheld = None
+            if problem is not None and not self.needles:
+                problem = None  # nothing to look for: delivered as received
             if problem is not None:
-                body, withheld = b"", f"Content-Encoding {codings}: {problem}"
+                body, withheld = b"", problem
                 log.warning(
                     "invocation %s: the response body was withheld (stored and delivered empty): the broker could not "
                     "look inside it for an echo of the injected credential (%s). The outcome stands; the status and "
                     "headers are kept. If this upstream's answers are needed, have it answer uncompressed or in "
-                    "gzip, deflate, br or zstd.",
+                    "gzip, deflate or zstd.",
                     self.entry.invocation_id, withheld,
                 )
             self._clean = (response, body, changed, withheld)
@@ -287,6 +310,7 @@ class _Exchange:
         """Steps (1)-(3) of contract section 6: the outcome, its hash, the stored result."""
         await failpoint("after_response_complete")
         stored_headers = [(k, v) for k, v in _passable(response.headers) if k.lower() not in _UNSTORED_HEADERS]
+        await self.prepare_body(response)
         stored_body, redacted, withheld = self.clean_body(response)
         stored_headers, headers_redacted = _redact_headers(_withheld_headers(stored_headers, withheld), self.needles)
         self.entry.append(
@@ -524,6 +548,7 @@ class Broker:
             name, value = injected_header(route.inject, credential)
             headers.append((name, value))
             needles = redaction_needles(credential, value)
+            headers = _inspectable_codings(headers)
             entry.credential = (credential.id, credential.version, route.inject.method)
             entry.append(
                 EventKind.CREDENTIAL_AUTHORIZED,
@@ -1321,6 +1346,27 @@ async def _read(awaitable: Awaitable[T]) -> T:
 
 
 WITHHELD_HEADER = "Affidavit-Withheld"
+_INLINE_DECODE = 256 * 1024  # bodies above this are decoded in a thread
+
+
+def _transfer_codings(response: UpstreamResponse) -> list[str]:
+    """Transfer codings other than chunked (which the parser undid), in the order applied."""
+    return [c for c in codings_of(", ".join(v for k, v in response.headers if k.lower() == "transfer-encoding"))
+            if c != "chunked"]
+
+
+def _inspectable_codings(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """On a route that injects a credential, ask only for codings the broker can look inside:
+    ``br`` is dropped from Accept-Encoding (a br answer would be withheld)."""
+    out = []
+    for k, v in headers:
+        if k.lower() == "accept-encoding":
+            kept = [part.strip() for part in v.split(",") if part.strip() and part.split(";")[0].strip().lower() != "br"]
+            if not kept:
+                continue
+            v = ", ".join(kept)
+        out.append((k, v))
+    return out
 
 
 def _withheld_headers(headers: list[tuple[str, str]], withheld: str | None) -> list[tuple[str, str]]:

@@ -1,8 +1,10 @@
 """HTTP content codings (RFC 9110 8.4), decoded with a bound so a small body cannot expand without
 limit. Used to look inside a compressed response for an echo of the injected credential.
 
-Decoding uses zlib and the brotli and zstandard packages mitmproxy already depends on; encoding
-uses mitmproxy's own ``net.encoding``. Nothing here is cryptography.
+Decoding uses zlib and the zstandard package mitmproxy already depends on; encoding uses
+mitmproxy's own ``net.encoding``. ``br`` is not decoded: brotli 1.1 (what mitmproxy 11 allows)
+cannot bound one step's output, so a few kilobytes could take gigabytes. Nothing here is
+cryptography.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 import io
 import zlib
 
-import brotli
 import zstandard
 from mitmproxy.net import encoding as mitm_encoding
 
 #: The codings the broker can look inside ("x-gzip" is gzip, RFC 9110 8.4.1.3).
-KNOWN = frozenset({"gzip", "x-gzip", "deflate", "br", "zstd"})
+KNOWN = frozenset({"gzip", "x-gzip", "deflate", "zstd"})
+#: At most this many gzip members (each is a few bytes at least; many tiny ones cost time).
+MAX_MEMBERS = 1024
+_STEP = 64 * 1024
 
 
 class Undecodable(Exception):
@@ -33,6 +37,8 @@ def codings_of(content_encoding: str | None) -> list[str]:
 def decode(body: bytes, codings: list[str], limit: int) -> bytes:
     """Undo ``codings`` (last applied first); raises :class:`Undecodable`."""
     for coding in reversed(codings):
+        if coding == "br":
+            raise Undecodable("br cannot be decoded within a memory bound here")
         if coding not in KNOWN:
             raise Undecodable(f"unknown content coding {coding!r}")
         try:
@@ -56,22 +62,30 @@ def _over(limit: int) -> Undecodable:
 
 
 def _zlib(body: bytes, limit: int, wbits: int) -> bytes:
+    """Input in steps of 64 KiB, output bounded per call: neither a bomb nor many tiny gzip
+    members (each would copy the rest of the input) can take much memory or time."""
     out = bytearray()
-    data = body
-    while data:  # gzip allows several members one after another
+    view = memoryview(body)
+    pos, members = 0, 0
+    while pos < len(view):
+        members += 1
+        if members > MAX_MEMBERS:
+            raise Undecodable(f"more than {MAX_MEMBERS} gzip members")
+        if members > 1 and wbits != 16 + zlib.MAX_WBITS:
+            raise Undecodable("data after the end of the compressed stream")
         d = zlib.decompressobj(wbits)
-        while data:
-            out += d.decompress(data, limit + 1 - len(out))
-            if len(out) > limit:
-                raise _over(limit)
-            data = d.unconsumed_tail
-            if d.eof:
-                break
-        if not d.eof:
-            raise Undecodable("the compressed stream ends early")
-        data = d.unused_data
-        if wbits != 16 + zlib.MAX_WBITS:  # only gzip has members; anything after a zlib stream is ignored
-            break
+        while not d.eof:
+            if pos >= len(view):
+                raise Undecodable("the compressed stream ends early")
+            step = view[pos:pos + _STEP]
+            pos += len(step)
+            data: bytes | memoryview = step
+            while data and not d.eof:
+                out += d.decompress(data, limit + 1 - len(out))
+                if len(out) > limit:
+                    raise _over(limit)
+                data = d.unconsumed_tail
+        pos -= len(d.unused_data)  # the next member starts where this one ended
     return bytes(out)
 
 
@@ -87,18 +101,6 @@ def _deflate(body: bytes, limit: int) -> bytes:
         return _zlib(body, limit, -zlib.MAX_WBITS)
 
 
-def _br(body: bytes, limit: int) -> bytes:
-    d = brotli.Decompressor()
-    out = bytearray()
-    for start in range(0, len(body), 1024):  # small steps: one step's output stays bounded
-        out += d.process(body[start:start + 1024])
-        if len(out) > limit:
-            raise _over(limit)
-    if not d.is_finished():
-        raise Undecodable("the compressed stream ends early")
-    return bytes(out)
-
-
 def _zstd(body: bytes, limit: int) -> bytes:
     reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body), read_across_frames=True)
     out = bytearray()
@@ -109,4 +111,4 @@ def _zstd(body: bytes, limit: int) -> bytes:
     return bytes(out)
 
 
-_DECODERS = {"gzip": _gzip, "x-gzip": _gzip, "deflate": _deflate, "br": _br, "zstd": _zstd}
+_DECODERS = {"gzip": _gzip, "x-gzip": _gzip, "deflate": _deflate, "zstd": _zstd}

@@ -128,7 +128,7 @@ def test_an_echoed_credential_never_reaches_the_agent(broker: BrokerProcess, ups
     assert upstream.received[0].header("Authorization") == f"Bearer {CANARIES['PAYMENTS_KEY']}"
 
 
-@pytest.mark.parametrize("coding", ["gzip", "br", "zstd", "deflate", "raw-deflate", "gzip,br"])
+@pytest.mark.parametrize("coding", ["gzip", "zstd", "deflate", "raw-deflate"])
 def test_an_echoed_credential_is_found_inside_a_compressed_body(broker: BrokerProcess, upstream: HostileUpstream, coding: str):
     """An upstream that echoes the request's headers gzipped (or br, zstd, deflate) would hand
     the injected secret to any client that decompresses: the broker looks through the coding."""
@@ -141,7 +141,7 @@ def test_an_echoed_credential_is_found_inside_a_compressed_body(broker: BrokerPr
             status, headers = r.status_code, r.headers
     invocation_id = headers["affidavit-invocation-id"]
     assert status == 200 and upstream.received[-1].header("Authorization") == f"Bearer {CANARIES['PAYMENTS_KEY']}"
-    assert headers["content-encoding"] == ("gzip, br" if coding == "gzip,br" else coding.removeprefix("raw-"))
+    assert headers["content-encoding"] == coding.removeprefix("raw-")
 
     def plain(body: bytes) -> bytes:
         for applied in reversed([c.strip() for c in headers["content-encoding"].split(",")]):
@@ -157,6 +157,31 @@ def test_an_echoed_credential_is_found_inside_a_compressed_body(broker: BrokerPr
     assert secret not in plain(stored) and b'"[REDACTED]"' in plain(stored)
     record = broker.invocation(invocation_id)
     assert next(e for e in record["events"] if e["kind"] == "RESULT_COMMITTED")["data"]["redacted"] is True
+
+
+def test_a_transfer_coding_is_undone_and_looked_inside(broker: BrokerProcess, upstream: HostileUpstream):
+    """Transfer-Encoding: gzip, chunked is hop-by-hop: the broker drops the header, so it must
+    undo the coding too (and look inside it for the secret)."""
+    with broker.client() as client:
+        r = _seen(client.get(f"{PAYMENTS}/h/ok?te=gzip"))
+    assert r.status_code == 200 and "transfer-encoding" not in r.headers and "content-encoding" not in r.headers
+    assert CANARIES["PAYMENTS_KEY"] not in r.text and dict((k.lower(), v) for k, v in r.json()["headers"])["authorization"] == "[REDACTED]"
+    with broker.client("reviewer") as client:  # a route without a credential: undone too, nothing to redact
+        plain = _seen(client.get("https://review.example.test/h/ok?te=gzip"))
+    assert plain.status_code == 200 and plain.json()["path"] == "/h/ok?te=gzip"
+
+
+def test_br_is_not_asked_for_on_a_credential_route_and_a_br_body_is_withheld(broker: BrokerProcess, upstream: HostileUpstream):
+    """brotli 1.1 cannot decode with a memory bound, so the broker cannot look inside br."""
+    with broker.client() as client:
+        with client.stream("GET", f"{PAYMENTS}/h/ok?encode=br", headers={"Accept-Encoding": "br, gzip;q=0.8"}) as r:
+            raw = b"".join(r.iter_raw())
+    SEEN.append(raw.decode("latin-1") + json.dumps(dict(r.headers)))
+    assert upstream.received[-1].header("Accept-Encoding") == "gzip;q=0.8", "br is not asked for"
+    assert (r.status_code, raw) == (200, b"") and "br cannot be decoded" in r.headers["affidavit-withheld"]
+    with broker.client("reviewer") as client:  # without a credential nothing is looked for, nothing withheld
+        plain = _seen(client.get("https://review.example.test/h/ok?encode=br", headers={"Accept-Encoding": "br"}))
+    assert upstream.received[-1].header("Accept-Encoding") == "br" and plain.json()["path"] == "/h/ok?encode=br"
 
 
 def test_a_compressed_body_too_big_to_look_inside_is_withheld(broker: BrokerProcess, upstream: HostileUpstream):

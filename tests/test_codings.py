@@ -20,7 +20,7 @@ def raw_deflate(data: bytes) -> bytes:
     return c.compress(data) + c.flush()
 
 
-@pytest.mark.parametrize("coding", ["gzip", "x-gzip", "deflate", "br", "zstd"])
+@pytest.mark.parametrize("coding", ["gzip", "x-gzip", "deflate", "zstd"])
 def test_each_known_coding_round_trips(coding: str):
     assert decode(encode(ECHO, [coding]), [coding], 1 << 20) == ECHO
 
@@ -28,12 +28,12 @@ def test_each_known_coding_round_trips(coding: str):
 def test_raw_deflate_and_stacked_codings_and_gzip_members_decode():
     assert decode(raw_deflate(ECHO), ["deflate"], 1 << 20) == ECHO
     assert codings_of("gzip, identity, br") == ["gzip", "br"]
-    assert decode(encoding.encode(encoding.encode(ECHO, "gzip"), "br"), ["gzip", "br"], 1 << 20) == ECHO
+    assert decode(encoding.encode(encoding.encode(ECHO, "gzip"), "zstd"), ["gzip", "zstd"], 1 << 20) == ECHO
     two_members = encoding.encode(b"first ", "gzip") + encoding.encode(b"second", "gzip")
     assert decode(two_members, ["gzip"], 1 << 20) == b"first second"
 
 
-@pytest.mark.parametrize("coding", ["gzip", "deflate", "br", "zstd"])
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "zstd"])
 def test_a_body_that_expands_beyond_the_limit_stops_at_the_limit(coding: str):
     bomb = encode(b"\0" * (8 << 20), [coding])
     assert len(bomb) < 64 * 1024
@@ -58,9 +58,9 @@ def test_redact_body_replaces_the_echo_inside_the_coding_and_keeps_the_coding():
 
 
 def test_redact_body_leaves_a_clean_or_uninspectable_body_byte_for_byte():
-    clean = encoding.encode(b'{"ok": true}', "br")
-    assert redact_body(clean, "br", [SECRET], 1 << 20) == (clean, False, None)
-    assert redact_body(clean, "br", [], 1 << 20) == (clean, False, None), "no credential: nothing to look for"
+    clean = encoding.encode(b'{"ok": true}', "zstd")
+    assert redact_body(clean, "zstd", [SECRET], 1 << 20) == (clean, False, None)
+    assert redact_body(clean, "zstd", [], 1 << 20) == (clean, False, None), "no credential: nothing to look for"
     body, changed, problem = redact_body(b"\x00junk", "gzip", [SECRET], 1 << 20)
     assert (body, changed) == (b"\x00junk", False) and problem is not None
     plain = b"Bearer " + SECRET
@@ -71,3 +71,21 @@ def test_redact_body_leaves_a_clean_or_uninspectable_body_byte_for_byte():
 def test_an_empty_body_with_a_coding_header_is_left_alone(coding: str):
     """A response to HEAD, or a 304, names the coding of a body it does not carry."""
     assert redact_body(b"", coding, [SECRET], 1 << 20) == (b"", False, None)
+
+
+def test_br_is_not_decoded_because_one_step_cannot_be_bounded():
+    with pytest.raises(Undecodable, match="br cannot be decoded"):
+        decode(encoding.encode(ECHO, "br"), ["br"], 1 << 20)
+
+
+def test_many_tiny_gzip_members_and_data_after_a_zlib_stream_are_refused_quickly():
+    import time
+
+    empty = encoding.encode(b"", "gzip")
+    started = time.monotonic()
+    with pytest.raises(Undecodable, match="more than 1024 gzip members"):
+        decode(empty * 200_000, ["gzip"], 32 << 20)
+    assert time.monotonic() - started < 2
+    assert decode(empty * 3 + encoding.encode(ECHO, "gzip"), ["gzip"], 1 << 20) == ECHO
+    with pytest.raises(Undecodable, match="after the end"):
+        decode(zlib.compress(b"{}") + zlib.compress(ECHO), ["deflate"], 1 << 20)

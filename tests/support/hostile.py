@@ -504,6 +504,15 @@ class HostileUpstream:
         if coding and body:
             body, label = _encoded(body, coding)
             headers = [*(headers or []), ("Content-Encoding", label)]
+        if entry.query.get("te") == "gzip" and body:  # a transfer coding besides chunked (RFC 9112 7)
+            from mitmproxy.net import encoding
+
+            coded = encoding.encode(body, "gzip")
+            head = _response(status, b"", [*(headers or []), ("Content-Type", "application/json"),
+                                           ("Transfer-Encoding", "gzip, chunked")], close=close, length=False)
+            await conn.send(head + b"%x\r\n" % len(coded) + coded + b"\r\n0\r\n\r\n")
+            entry.response_status = status
+            return not close
         data = _response(status, body, headers, close=close)
         if entry.method == "HEAD":
             data = data[: data.index(b"\r\n\r\n") + 4]
