@@ -421,7 +421,12 @@ def load_settings(path: Path | None = None, **overrides: Any) -> Settings:
             tomllib.loads(toml_path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{toml_path}: not valid TOML: {exc}") from None
+    # Variables a source names ("env:AFFIDAVIT_SECRET__PAY") are values, not settings.
+    sources = (toml_path.read_text(encoding="utf-8") if toml_path else "") + " ".join(
+        v for k, v in os.environ.items() if k.upper().startswith("AFFIDAVIT_"))
+    referenced = set(re.findall(r"env:([A-Za-z_][A-Za-z0-9_]*)", sources))
     typos = [name for name in os.environ if name.upper().startswith("AFFIDAVIT_") and "__" in name
+             and name not in referenced
              and name[len("AFFIDAVIT_"):].split("__", 1)[0].lower() not in Settings.model_fields]
     if typos:  # pydantic-settings ignores a variable whose section it does not know
         raise ConfigError(

@@ -571,6 +571,7 @@ class Upstream:
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._sweeper: asyncio.TimerHandle | None = None
         self._open: set[_Connection] = set()
+        self.closed = False  # the broker is stopping: nothing new is sent
 
     def pin(self, host: str, port: int, target: tuple[str, int]) -> None:
         """Connect to ``target`` for ``host:port`` (a route's ``connect_to``); TLS still checks
@@ -578,6 +579,7 @@ class Upstream:
         self._pins[(host.lower(), port)] = target
 
     async def close(self) -> None:
+        self.closed = True
         if self._sweeper is not None:
             self._sweeper.cancel()
         for conn in list(self._open):
@@ -588,6 +590,8 @@ class Upstream:
         """Send ``request`` once. Raises :class:`SetupFailed`, :class:`DispatchRefused` or
         :class:`ExchangeFailed`; returns only a complete response."""
         progress = _Progress()
+        if self.closed:
+            raise SetupFailed("request", Code.CONNECT_FAILED, "the broker is stopping; nothing was sent")
         try:
             data = request_head(request) + request.body
         except ValueError as exc:
@@ -604,11 +608,18 @@ class Upstream:
             except Exception as exc:  # every failure is classified by where it happened
                 stage, code = classify_setup_failure(exc, progress.stage)
                 raise SetupFailed(stage, code, diagnostic(exc)) from None
+        if self.closed:  # it stopped while this connection was being set up
+            conn.close()
+            raise SetupFailed("request", Code.CONNECT_FAILED, "the broker is stopping; nothing was sent")
         try:
             await observer.dispatch(attempt, how)
         except BaseException:
             self._give_back(key, conn)  # nothing was written on it
             raise
+        if self.closed:  # it stopped during the dispatch commit: the record says dispatched, nothing is sent
+            conn.close()
+            raise ExchangeFailed(Code.REMOTE_OUTCOME_UNKNOWN, "the broker stopped before sending; nothing was sent",
+                                 request_complete=False, headers_received=False)
         progress.stage = "dispatched"
         reading = _Reading(asyncio.get_running_loop(), request.method, request.max_response_body)
         try:

@@ -295,6 +295,12 @@ def test_an_environment_variable_for_a_section_that_does_not_exist_is_refused(tm
     assert done.returncode == 2, done.stderr
     assert "environment: AFFIDAVIT_PROXYY__LISTEN: no such section (a typo?" in done.stderr
     assert "AFFIDAVIT_API_URL" not in done.stderr, "an agent shell's own variable is not a setting"
+    # A variable a secret source names is a value, whatever it looks like.
+    config = tmp_path / "affidavit.toml"
+    config.write_text('[[secrets]]\nname = "pay"\nfrom = "env:AFFIDAVIT_SECRET__PAY"\n')
+    env = {**{k: v for k, v in env.items() if k != "AFFIDAVIT_PROXYY__LISTEN"}, "AFFIDAVIT_SECRET__PAY": "x"}
+    done = subprocess.run([AFFIDAVIT, "env", "--config", str(config)], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
 
 
 def test_a_broker_older_than_its_schema_says_so_instead_of_advising_an_upgrade(tmp_path, pg_admin_url):

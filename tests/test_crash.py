@@ -164,6 +164,29 @@ def test_a_clean_stop_writes_what_it_knows_of_the_requests_it_cuts(make_broker, 
     assert "affidavit: stopped" in broker.logs() and "still being handled" not in broker.logs()
 
 
+def test_a_request_not_yet_dispatched_at_a_clean_stop_is_never_sent(make_broker, upstream):
+    """SIGTERM while a request is still before its dispatch: nothing new goes upstream once the
+    broker is stopping, and the record says not_attempted."""
+    broker = make_broker(routes=crash_routes(upstream), env={"AFFIDAVIT_FAILPOINTS": "before_credential=pause:2@1"})
+    key = f"stopping-{time.monotonic_ns()}"
+    thread = threading.Thread(target=lambda: _quietly(lambda: post(broker, SAFE + "/h/ok", key)))
+    thread.start()
+    time.sleep(0.7)  # the key is bound; the broker pauses before the credential
+    assert broker.stop() == 0
+    thread.join(20)
+    assert upstream.received == [], "nothing is sent once the broker is stopping"
+    invocation_id = record_by_key(broker, key)
+    rows = query(broker.database_url, f"SELECT outcome, code FROM invocations WHERE invocation_id = '{invocation_id}'")
+    assert rows == [("not_attempted", "CONNECT_FAILED")], rows
+
+
+def _quietly(call: Any) -> None:
+    try:
+        call()
+    except httpx.HTTPError:
+        pass
+
+
 # -- the journal itself fails ------------------------------------------------------------------
 
 
