@@ -543,11 +543,19 @@ def test_a_request_the_upstream_has_not_read_is_not_complete():
                 await asyncio.wait_for(exchange, 2)
             assert not cut.value.request_complete and time.monotonic() - started < 1
 
-            async with Server(answer_each) as reading_server:
-                observer = Observer()
-                response = await upstream.exchange(request(reading_server.port, body=body), observer)
-                assert response.status == 200 and len(reading_server.received) > len(body)
-                assert [c for c, _ in observer.calls][:2] == ["dispatch", "request_sent"]
+            # A closed client sends nothing new (the broker is stopping); a fresh one, to an
+            # upstream that reads, reports the request complete.
+            with pytest.raises(SetupFailed, match="stopping"):
+                await upstream.exchange(request(server.port, body=b"x"), Observer())
+            fresh = Upstream()
+            try:
+                async with Server(answer_each) as reading_server:
+                    observer = Observer()
+                    response = await fresh.exchange(request(reading_server.port, body=body), observer)
+                    assert response.status == 200 and len(reading_server.received) > len(body)
+                    assert [c for c, _ in observer.calls][:2] == ["dispatch", "request_sent"]
+            finally:
+                await fresh.close()
 
     run(main())
 
