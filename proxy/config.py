@@ -58,7 +58,7 @@ Duration = Annotated[float, BeforeValidator(parse_duration)]
 
 def parse_listen(value: str) -> tuple[str, int]:
     host, sep, port = str(value).rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ValueError(f"{value!r} is not host:port, e.g. '127.0.0.1:8080'")
     return host.strip("[]"), int(port)
 
@@ -305,7 +305,7 @@ class Route(_Section):
     @classmethod
     def _host(cls, host: str) -> str:
         host = host.lower()
-        if host.startswith("*.") and len(host) > 2 or re.fullmatch(r"[a-z0-9.-]+|\[[0-9a-f:]+\]", host):
+        if host.startswith("*.") and re.fullmatch(r"[a-z0-9-]+(\.[a-z0-9-]+)*", host[2:]) or re.fullmatch(r"[a-z0-9.-]+|\[[0-9a-f:]+\]", host):
             return host
         raise ValueError("must be an exact host name or '*.suffix'")
 

@@ -83,6 +83,8 @@ def test_the_environment_overrides_the_file(tmp_path, monkeypatch):
         (('url = "sqlite+aiosqlite:///{db}"', 'url = "sqlite+aiosqlite://"'), "database.url", "in-memory SQLite"),
         (('url = "sqlite+aiosqlite:///{db}"', 'url = "sqlite+aiosqlite:///file::memory:?cache=shared&uri=true"'), "database.url", "in-memory SQLite"),
         (('methods = ["post"]', 'methods = ["FOO BAR"]'), "routes[0].methods", "not a valid HTTP token"),
+        (('host = "api.payments.test"', 'host = "*.a b"'), "routes[0].host", "exact host name or '*.suffix'"),
+        (('listen = "127.0.0.1:{port}"', 'listen = "127.0.0.1:0"'), "proxy.listen", "host:port"),
         (('header = "Authorization", value', 'header = "Bad Header:", value'), "routes[0].inject.header", "not a valid HTTP token"),
         (('header = "Authorization", value', 'header = "", value'), "routes[0].inject.header", "not a valid HTTP token"),
         (('header = "Idempotency-Key", scope', 'header = "Idem Key", scope'), "routes[0].idempotency.header", "not a valid HTTP token"),
