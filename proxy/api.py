@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from . import VERSION, metrics
 from . import decisions
 from .broker import CODE_HEADER, INVOCATION_HEADER, OUTCOME_HEADER, REPLAYED_HEADER, Broker, LookupUnavailable, note_replay
-from .store.journal import Journal
+from .store.journal import Journal, brief
 from .contract import Code, Outcome, Phase, Retry, Stage
 from .crypto import DecryptError
 from .envelope import MEDIA_TYPE, envelope
@@ -65,9 +65,9 @@ _ANSWERS = {
 }
 
 
-def answers(*statuses: int, **described: str) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses`` for the listed error statuses (plus ``s409="..."`` overrides)."""
-    meanings = {**_ANSWERS, **{int(k[1:]): v for k, v in described.items()}}
+def answers(*statuses: int, meaning: dict[int, str] | None = None) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for the listed error statuses (``meaning``: a call's own wording)."""
+    meanings = {**_ANSWERS, **(meaning or {})}
     return {status: {"description": meanings[status]} for status in statuses}
 
 
@@ -86,7 +86,8 @@ class ReconcileBody(BaseModel):
     reference: str | None = Field(default=None, max_length=500, description="the remote's id for the operation")
     note: str | None = Field(default=None, max_length=2000)
     lookup: bool = Field(default=False, description="ask the remote through the route's declared lookup")
-    override: bool = Field(default=False, description="the finding may contradict the remote's own complete answer")
+    override: bool = Field(default=False, description="the finding may change the outcome of a record that holds "
+                                                      "the remote's complete answer")
 
 
 class DecisionBody(BaseModel):
@@ -116,7 +117,7 @@ def create_app(
         return _problem(exc.status, exc.title, exc.detail, exc.headers)
 
     async def _journal_away(_request: Request, exc: Exception) -> JSONResponse:
-        log.warning("side API: the journal did not answer: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        log.warning("side API: the journal did not answer: %s", brief(exc))
         return _problem(503, "Unavailable", "The journal (database) did not answer, so nothing can be read or "
                         "changed right now; nothing was changed. Retry after a delay; operators: check the database.",
                         {"Retry-After": "1"})
@@ -161,7 +162,7 @@ def create_app(
         return {"status": "ok"}
 
     @app.get("/readyz", tags=["health"], summary="Readiness: the journal answers and can write",
-             responses=answers(503, s503="Not ready: the journal is unreachable or unwritable"))
+             responses=answers(503, meaning={503: "Not ready: the journal is unreachable or unwritable"}))
     async def readyz() -> Response:
         try:
             await asyncio.wait_for(queries.ping(engine), 3.0)
@@ -188,7 +189,7 @@ def create_app(
         "/v1/invocations/{invocation_id}/result",
         tags=["invocations"],
         summary="The recorded final response, replayed exactly; never a partial body",
-        responses=answers(401, 404, 409, 503, s409="No complete result exists; the body is the contract envelope"),
+        responses=answers(401, 404, 409, 503, meaning={409: "No complete result exists; the body is the contract envelope"}),
     )
     async def get_result(invocation_id: str, who: Annotated[Principal, Depends(principal)]) -> Response:
         fast = await reader.fetch(invocation_id) if reader is not None else None

@@ -375,13 +375,8 @@ def run(settings: Settings, worker: int | None = None) -> int:
     ring = KeyRing.from_settings(settings.crypto)  # a bad key stops the start (ConfigError)
     try:
         prepare_database(settings)
-    except StartupError as exc:
-        print(f"affidavit: cannot start: {exc}", file=sys.stderr)
-        return 1
-    main = serve(settings, tokens, operator, ring, announce=lambda text: print(text, flush=True), worker=worker)
-    try:
         with asyncio.Runner(loop_factory=SharedPortLoop if worker is not None else None) as runner:
-            runner.run(main)
+            runner.run(serve(settings, tokens, operator, ring, announce=lambda text: print(text, flush=True), worker=worker))
     except KeyboardInterrupt:
         pass
     except (StartupError, OSError) as exc:

@@ -66,7 +66,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from .store.journal import GENESIS, canonical_time, chain_hash
+from .store.journal import GENESIS, brief, canonical_time, chain_hash
 from .store.schema import events
 from .store.vault_schema import (
     CHECKPOINT_EVERY_EVENTS,
@@ -388,8 +388,7 @@ async def load_database(url: str) -> tuple[list[dict[str, Any]], list[dict[str, 
     try:
         return await _read(url)
     except (SQLAlchemyError, OSError) as exc:
-        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:200]
-        raise AuditInputError(f"{where}: the journal could not be read ({reason})") from None
+        raise AuditInputError(f"{where}: the journal could not be read ({brief(exc)})") from None
 
 
 async def _read(url: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -66,7 +66,7 @@ from .failpoints import failpoint
 from .invocation_view import operation_of, retention_open
 from .recovery import closing_events
 from .store import leases, queries
-from .store.journal import IdempotencyConflict, Journal, JournalUnavailable, LeaseLost
+from .store.journal import IdempotencyConflict, Journal, JournalUnavailable, LeaseLost, brief
 from ulid import ULID
 
 from .upstream import (
@@ -219,7 +219,7 @@ class _Exchange:
                     body = decode(body, transfer, limit)
                 except Undecodable as exc:
                     problem = f"Transfer-Encoding {', '.join(transfer)}: {exc}"
-            codings = ", ".join(v for k, v in response.headers if k.lower() == "content-encoding") or None
+            codings = response.all_of("Content-Encoding")
             if problem is None:
                 body, changed, inside = redact_body(body, codings, self.needles, limit)
                 problem = inside and f"Content-Encoding {codings}: {inside}"
@@ -1342,7 +1342,7 @@ async def _read(awaitable: Awaitable[T]) -> T:
     except DecryptError as exc:
         raise _Unreadable(f"the record cannot be decrypted: {exc}", decrypt=True) from exc
     except queries.UNREACHABLE as exc:
-        raise _Unreadable(str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__) from exc
+        raise _Unreadable(brief(exc)) from exc
 
 
 WITHHELD_HEADER = "Affidavit-Withheld"
@@ -1351,8 +1351,7 @@ _INLINE_DECODE = 256 * 1024  # bodies above this are decoded in a thread
 
 def _transfer_codings(response: UpstreamResponse) -> list[str]:
     """Transfer codings other than chunked (which the parser undid), in the order applied."""
-    return [c for c in codings_of(", ".join(v for k, v in response.headers if k.lower() == "transfer-encoding"))
-            if c != "chunked"]
+    return [c for c in codings_of(response.all_of("Transfer-Encoding")) if c != "chunked"]
 
 
 def _inspectable_codings(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -83,7 +83,9 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
     except Exception as exc:
         if isinstance(exc, typer.Exit):
             raise
-        typer.echo(f"affidavit: the journal could not be read ({exc.__class__.__name__}: {str(exc).splitlines()[0][:200]})", err=True)
+        from .store.journal import brief
+
+        typer.echo(f"affidavit: the journal could not be read ({exc.__class__.__name__}: {brief(exc)})", err=True)
         raise typer.Exit(1) from None
 
 
@@ -347,7 +349,8 @@ def reconcile(
     note: Optional[str] = None,
     lookup: Annotated[bool, typer.Option("--lookup", help="Ask the remote through the route's declared lookup.")] = False,
     override: Annotated[bool, typer.Option(
-        "--override", help="The finding contradicts the remote's own complete answer (say, it refunded); refused without this.")] = False,
+        "--override", help="The finding changes the outcome of a record that holds the remote's complete answer "
+        "(say, it refunded); refused without this.")] = False,
 ) -> None:
     """Append what is known about an invocation's effect; its original record stays as it was."""
     settings = settings_or_exit(config)

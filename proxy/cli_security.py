@@ -62,13 +62,12 @@ def redact_url(url: str) -> str:
 
 def _with_engine(url: str, work: Callable[[Any], Awaitable[T]]) -> T:
     """Run ``work(engine)`` on the journal database; database errors become one clear line."""
-    from .store.journal import on_engine
+    from .store.journal import brief, on_engine
 
     try:
         return asyncio.run(on_engine(url, work))
     except (SQLAlchemyError, OSError) as exc:
-        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:200]
-        _fail(f"the database {redact_url(url)} could not be used ({reason}); is it reachable and upgraded (`affidavit db upgrade`)?")
+        _fail(f"the database {redact_url(url)} could not be used ({brief(exc)}); is it reachable and upgraded (`affidavit db upgrade`)?")
 
 
 # -- secrets ---------------------------------------------------------------------------------

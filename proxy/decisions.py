@@ -83,7 +83,8 @@ async def reconcile(
 ) -> Record:
     """Append what was found out about the effect; the original attempt stays as it was.
 
-    ``override``: the finding may contradict the remote's own complete answer (and says so)."""
+    ``override``: the finding may change the outcome of a record that holds the remote's complete
+    answer (and says so); see :func:`contract.contradicted_answer`."""
     if outcome not in RECONCILABLE:
         raise DecisionRefused(422, f"a reconciliation says committed, rejected or partial_effect, not {outcome.value}")
     data = {"outcome": outcome.value, "certainty": certainty, "reference": reference, "note": note, "by": by}

@@ -157,6 +157,11 @@ class UpstreamResponse:
         name = name.lower()
         return next((v for k, v in self.headers if k.lower() == name), None)
 
+    def all_of(self, name: str) -> str | None:
+        """Every value of a list header (several lines of it joined with ", "), or None."""
+        name = name.lower()
+        return ", ".join(v for k, v in self.headers if k.lower() == name) or None
+
 
 def request_head(request: UpstreamRequest) -> bytes:
     """The request line and headers, as written upstream. Raises ValueError for a header that
@@ -185,6 +190,10 @@ def framing_of(method: str, status: int, headers: list[tuple[str, str]]) -> str:
     if "content-length" in names:
         return "content-length"
     return "close"
+
+
+def _stopping() -> SetupFailed:
+    return SetupFailed("request", Code.CONNECT_FAILED, "the broker is stopping; nothing was sent")
 
 
 def classify_setup_failure(exc: BaseException, stage: str) -> tuple[str, Code]:
@@ -591,7 +600,7 @@ class Upstream:
         :class:`ExchangeFailed`; returns only a complete response."""
         progress = _Progress()
         if self.closed:
-            raise SetupFailed("request", Code.CONNECT_FAILED, "the broker is stopping; nothing was sent")
+            raise _stopping()
         try:
             data = request_head(request) + request.body
         except ValueError as exc:
@@ -610,7 +619,7 @@ class Upstream:
                 raise SetupFailed(stage, code, diagnostic(exc)) from None
         if self.closed:  # it stopped while this connection was being set up
             conn.close()
-            raise SetupFailed("request", Code.CONNECT_FAILED, "the broker is stopping; nothing was sent")
+            raise _stopping()
         try:
             await observer.dispatch(attempt, how)
         except BaseException:
