@@ -122,11 +122,14 @@ def ca(config: ConfigOption = None, pem: Annotated[bool, typer.Option(help="Prin
     settings = settings_or_exit(config)
     path = ca_path(settings)
     if not path.is_file():
-        typer.echo(
-            f"affidavit: no CA at {path}: the first `affidavit run` with this configuration creates it. "
-            "If the broker runs elsewhere, run this in its directory or pass its --config.",
-            err=True,
+        confdir = settings.proxy.confdir
+        where = (
+            f"`proxy.confdir` ({confdir}) is relative, so it was looked up from this directory: "
+            "run this in the broker's working directory, or make confdir absolute."
+            if not confdir.is_absolute()
+            else "If the broker runs with another configuration, pass its --config."
         )
+        typer.echo(f"affidavit: no CA at {path}: the first `affidavit run` with this configuration creates it. {where}", err=True)
         raise typer.Exit(1)
     typer.echo(path.read_text() if pem else str(path))
 

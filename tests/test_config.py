@@ -253,7 +253,14 @@ def test_affidavit_ca_without_a_ca_says_where_it_looked_and_what_to_do(tmp_path)
     path = write(tmp_path, good(tmp_path))
     done = subprocess.run([AFFIDAVIT, "ca", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 1 and done.stdout == ""
-    assert f"no CA at {tmp_path / '.affidavit' / 'mitmproxy-ca-cert.pem'}" in done.stderr and "pass its --config" in done.stderr, done.stderr
+    assert f"no CA at {tmp_path / '.affidavit' / 'mitmproxy-ca-cert.pem'}" in done.stderr, done.stderr
+    # The default confdir is relative: another --config alone would not find the broker's CA.
+    assert "is relative" in done.stderr and "broker's working directory" in done.stderr, done.stderr
+    absolute = tmp_path / "abs-conf"
+    path = write(tmp_path, good(tmp_path).replace("[proxy]\n", f'[proxy]\nconfdir = "{absolute}"\n', 1))
+    done = subprocess.run([AFFIDAVIT, "ca", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 1 and f"no CA at {absolute / 'mitmproxy-ca-cert.pem'}" in done.stderr, done.stderr
+    assert "pass its --config" in done.stderr and "relative" not in done.stderr, done.stderr
 
 
 def test_the_test_brokers_first_start_moves_off_a_port_taken_meanwhile(make_broker):
