@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import os
@@ -217,6 +218,7 @@ async def serve(
             pass
 
     api_task = asyncio.create_task(api.serve(sockets=[api_socket]), name="side api")
+    logging.getLogger("mitmproxy.addons.proxyserver").addFilter(_ReportedByTheBroker())
     master_task = asyncio.create_task(master.run(), name="mitmproxy")
     orphan_watch = asyncio.create_task(_stop_when_orphaned(master)) if worker is not None else None
     try:
@@ -228,9 +230,10 @@ async def serve(
                 task.result()
             raise StartupError("the proxy stopped during start-up; see the log above")
         for server in master.addons.get("proxyserver").servers:
-            if not server.is_running or server.last_exception is not None:
-                reason = str(server.last_exception or "not listening").splitlines()[0]
-                raise StartupError(f"proxy.listen {settings.proxy.listen}: {reason}")
+            if server.last_exception is not None:
+                raise StartupError(cannot_listen("proxy.listen", settings.proxy.listen, server.last_exception))
+            if not server.is_running:
+                raise StartupError(f"proxy.listen {settings.proxy.listen}: not listening")
         while not api.started and not api_task.done():
             await asyncio.sleep(0.01)
         if api_task.done():
@@ -280,9 +283,35 @@ def listen_socket(listen: str, key: str, *, shared: bool = False) -> socket.sock
         sock.listen(1024)
     except OSError as exc:
         sock.close()
-        raise StartupError(f"{key} {listen}: {exc.strerror or exc} (is another broker running?)") from None
+        raise StartupError(cannot_listen(key, listen, exc)) from None
     sock.setblocking(False)
     return sock
+
+
+_LISTEN_HINTS = {
+    errno.EADDRINUSE: "is another broker running?",
+    errno.EADDRNOTAVAIL: "is that address one of this host's?",
+    errno.EACCES: "ports below 1024 need privileges",
+}
+
+
+def cannot_listen(key: str, listen: str, exc: BaseException) -> str:
+    """Why ``listen`` could not be bound, in one line. mitmproxy wraps the socket's error in one
+    of its own, whose text advises its own command line (``--mode regular@<port>``)."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+    if isinstance(cause, OSError) and cause.errno:
+        hint = _LISTEN_HINTS.get(cause.errno)
+        return f"{key} {listen}: {os.strerror(cause.errno)}" + (f" ({hint})" if hint else "")
+    return f"{key} {listen}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+
+
+class _ReportedByTheBroker(logging.Filter):
+    """Drops mitmproxy's own log line for a proxy port it cannot bind: the start-up reports that
+    failure itself (``cannot start: proxy.listen ...``), without mitmproxy's advice to pass
+    ``--mode regular@<port>``, an option the broker does not have."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "failed to listen on" not in record.getMessage()
 
 
 class SharedPortLoop(asyncio.SelectorEventLoop):
