@@ -322,8 +322,8 @@ class _Exchange:
             body_bytes=len(response.body),
             peer_certificate=response.peer_certificate_sha256,
             retry_after=retry_after_seconds(response.header("Retry-After")),
-            location=response.header("Location"),
-            job_ref=_job_reference(response),
+            location=_redacted_text(response.header("Location"), self.needles),
+            job_ref=_redacted_text(_job_reference(response), self.needles),
             http_version=response.http_version,
             # Only when false (an early answer, the body not all taken): the usual case adds nothing.
             request_complete=None if response.request_complete else False,
@@ -1091,13 +1091,16 @@ class Broker:
         headers, _ = _redact_headers(_withheld_headers(_passable(response.headers), withheld), exchange.needles)
         if response.framing != "none":
             headers.append(("Content-Length", str(len(body))))
-        else:
+        elif response.status != 204:
+            # A HEAD's or a 304's Content-Length describes the representation it did not send. A
+            # 204 has none (RFC 9110 8.6), and an HTTP/2 agent refuses the answer if it has one.
             headers.extend((k, v) for k, v in response.headers if k.lower() == "content-length")
         headers.append((INVOCATION_HEADER, entry.invocation_id))
         headers.append((OUTCOME_HEADER, entry.record.outcome.value))
         if code is not None:
             headers.append((CODE_HEADER, code.value))
-        reply = Reply(response.status, headers, body, entry.invocation_id, reason=response.reason)
+        reason = _redacted_text(response.reason, exchange.needles) or ""
+        reply = Reply(response.status, headers, body, entry.invocation_id, reason=reason)
         reply.delivered = lambda: self._delivered(entry)
         reply.undelivered = lambda: self._undelivered(entry)
         return reply
@@ -1376,13 +1379,36 @@ def _withheld_headers(headers: list[tuple[str, str]], withheld: str | None) -> l
 
 
 def _redact_headers(headers: list[tuple[str, str]], needles: list[bytes]) -> tuple[list[tuple[str, str]], bool]:
+    """Echoes of the credential replaced in header values; a header whose *name* holds one is
+    dropped (a name cannot carry ``[REDACTED]``: brackets are not allowed in a field name)."""
     changed = False
     out = []
     for k, v in headers:
+        if _redacted_text(k, needles) != k:
+            changed = True
+            continue
         data, hit = redact(v.encode("latin-1", "replace"), needles)
         changed |= hit
         out.append((k, data.decode("latin-1")))
     return out, changed
+
+
+def _redacted_text(text: str | None, needles: list[bytes]) -> str | None:
+    """A piece of the upstream's answer kept outside the body and headers (the reason phrase, a
+    ``Location`` or job id in the record) with any echo of the credential replaced."""
+    if not text or not needles:
+        return text
+    for needle in needles:
+        # Header text is decoded as latin-1, a job id from JSON as UTF-8: look for either form.
+        forms = {needle.decode("latin-1")}
+        try:
+            forms.add(needle.decode("utf-8"))
+        except UnicodeDecodeError:
+            pass
+        for form in forms:
+            if form in text:
+                text = text.replace(form, "[REDACTED]")
+    return text
 
 
 def _passable(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -387,6 +387,57 @@ def test_dispatch_started_is_durable_before_the_first_request_byte(make_broker, 
     assert connections == ["new", "reused", "reused"]
 
 
+@pytest.mark.parametrize("into", ["location", "name", "reason", "job"])
+def test_an_echo_outside_the_body_and_header_values_is_redacted_too(broker: BrokerProcess, upstream: HostileUpstream, into: str):
+    """An upstream may put the credential it received in a ``Location``, a job id, the reason
+    phrase or a header's name: neither the agent, nor the record, nor the side API sees it."""
+    secret = CANARIES["PAYMENTS_KEY"]
+    proxy = f"http://builder:{broker.agents['builder'].token}@127.0.0.1:{broker.proxy_port}"
+    done = subprocess.run(["curl", "-sS", "-i", "--proxy", proxy, "--cacert", str(broker.ca_path), "--max-time", "20",
+                           "-X", "POST", "-d", "{}", f"{PAYMENTS}/h/mirror?into={into}"], capture_output=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    SEEN.append(done.stdout.decode("latin-1"))
+    status, headers, _ = split_curl(done.stdout)
+    assert upstream.received[-1].header("Authorization") == f"Bearer {secret}"
+    assert secret.encode() not in done.stdout, done.stdout[:400]
+    assert status == {"location": 201, "job": 202}.get(into, 200)
+    invocation_id = headers["affidavit-invocation-id"]
+    time.sleep(0.3)
+    with broker.api() as api:
+        record = api.get(f"/v1/invocations/{invocation_id}").text
+        result = api.get(f"/v1/invocations/{invocation_id}/result")
+    SEEN.extend([record, result.text, json.dumps(dict(result.headers))])
+    assert secret not in record and secret not in result.text and secret not in json.dumps(dict(result.headers))
+    assert secret not in dump_journal(broker.database_url)
+    evidence = json.loads(record)["evidence"]
+    if into == "location":
+        assert headers["location"] == "/things/[REDACTED]" and evidence["location"] == "/things/[REDACTED]"
+    elif into == "job":
+        assert evidence["job_ref"] == "job-[REDACTED]"
+    elif into == "name":
+        assert headers["x-kept"] == "yes" and result.headers["x-kept"] == "yes"
+    committed = next(e for e in json.loads(record)["events"] if e["kind"] == "RESULT_COMMITTED")
+    # The reason phrase is not part of the stored result; everything else was stored redacted.
+    assert committed["data"].get("redacted") is (True if into != "reason" else None), committed
+
+
+def test_a_204_is_delivered_without_the_upstreams_content_length(broker: BrokerProcess, upstream: HostileUpstream):
+    """RFC 9110 8.6: no Content-Length on a 204. An upstream that sends one anyway must not make
+    the broker's answer unreadable (an HTTP/2 client refuses it as a protocol error)."""
+    done = subprocess.run(["curl", "-sS", "-i", "--http2", "--proxy",
+                           f"http://builder:{broker.agents['builder'].token}@127.0.0.1:{broker.proxy_port}",
+                           "--cacert", str(broker.ca_path), "--max-time", "20", "-X", "DELETE",
+                           f"{PAYMENTS}/h/status?code=204&header=Content-Length:5"], capture_output=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count(b"HTTP/2 204") == 1, done.stdout[:400]
+    status, headers, body = split_curl(done.stdout.replace(b"HTTP/2 204", b"HTTP/1.1 204"))
+    assert status == 204 and "content-length" not in headers and body == b""
+    invocation_id = headers["affidavit-invocation-id"]
+    time.sleep(0.3)
+    kinds = [e["kind"] for e in broker.invocation(invocation_id)["events"]]
+    assert kinds[-1] == "RESULT_DELIVERED", kinds
+
+
 def test_no_canary_secret_anywhere(broker: BrokerProcess, upstream: HostileUpstream):
     """Runs last in the module: everything the broker wrote or said is free of the secrets."""
     with broker.client() as client:

@@ -181,7 +181,8 @@ def _encoded(body: bytes, coding: str) -> tuple[bytes, str]:
     return encoding.encode(body, coding), coding
 
 
-def _response(status: int, body: bytes = b"", headers: list[tuple[str, str]] | None = None, *, close: bool = False, length: bool = True) -> bytes:
+def _response(status: int, body: bytes = b"", headers: list[tuple[str, str]] | None = None, *, close: bool = False,
+              length: bool = True, reason: str | None = None) -> bytes:
     """Serialize a response. ``length=False`` omits Content-Length (close-delimited body)."""
     hs = list(headers or [])
     if body and not any(n.lower() == "content-type" for n, _ in hs):
@@ -191,7 +192,7 @@ def _response(status: int, body: bytes = b"", headers: list[tuple[str, str]] | N
     if close:
         hs.append(("Connection", "close"))
     try:
-        reason = HTTPStatus(status).phrase
+        reason = reason or HTTPStatus(status).phrase
     except ValueError:
         reason = "Unknown"
     lines = [f"HTTP/1.1 {status} {reason}"] + [f"{n}: {v}" for n, v in hs]
@@ -597,6 +598,28 @@ class HostileUpstream:
             headers.append((name, value))
         body = _json({"job_id": q["job"], "status": "pending"} if "job" in q else {"status": code, "effects": n})
         return await self._send(conn, entry, code, b"" if code in (204, 304) else body, headers)
+
+    async def _b_mirror(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
+        """Effect, then a complete response that puts the credential it received (the
+        ``Authorization`` value after its scheme) where a careless proxy would not look:
+        ``?into=location`` (a 201's ``Location``), ``name`` (a header's *name*), ``reason`` (the
+        reason phrase), ``job`` (a 202's job id)."""
+        secret = (entry.header("Authorization") or "").partition(" ")[2]
+        into = q.get("into", "location")
+        n = self._apply(entry)
+        status, body, headers, reason = 200, _json({"effects": n}), [], None
+        if into == "location":
+            status, headers = 201, [("Location", f"/things/{secret}")]
+        elif into == "name":
+            headers = [(f"X-Seen-{secret}", "1"), ("X-Kept", "yes")]
+        elif into == "job":
+            status, body = 202, _json({"job_id": f"job-{secret}", "status": "pending"})
+        elif into == "reason":
+            reason = f"OK {secret}"
+        entry.response_status = status
+        close = _wants_close(entry)
+        await conn.send(_response(status, body, headers, close=close, reason=reason))
+        return not close
 
     async def _b_hang(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
         """Effect after the whole request; never answers; holds until client close or stop()."""
