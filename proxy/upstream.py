@@ -55,8 +55,8 @@ _NOT_YET_VALID = {9}
 _HOSTNAME = {62}  # HOSTNAME_MISMATCH
 _UNTRUSTED = {18, 19, 20, 21, 2, 24, 27, 28}  # self-signed, unknown issuer, untrusted, rejected
 
-#: A response head (status line and headers, interim responses included) larger than this is
-#: refused as broken.
+#: A response head (status line and headers) larger than this is refused as broken; the heads of
+#: interim responses before it (100 Continue, 103 Early Hints) count towards it too.
 MAX_RESPONSE_HEAD = 64 * 1024
 
 #: Plaintext read from a TLS connection's buffer per call.
@@ -242,12 +242,24 @@ class _Reading:
         self.headers: list[tuple[bytes, bytes]] = []
         self.chunks: list[bytes] = []
         self.size = 0
-        self.head_bytes = 0
-        self.head_tail = b""  # the last bytes of the head so far, for a blank line split across reads
+        self.head_bytes = 0  # of every head so far, interim responses' included
+        self.head_tail = b""  # the last bytes of the head being read, for a blank line split across reads
         self.head: asyncio.Future[None] = loop.create_future()
         self.done: asyncio.Future[None] = loop.create_future()
         #: Resolved by the first body byte or the end of the response, whichever comes first.
         self.first_body: asyncio.Future[None] = loop.create_future()
+
+
+def _head_end(tail: bytes, data: bytes) -> int:
+    """How many bytes of ``data`` belong to the head being read, up to and including its blank
+    line, which may straddle reads (``tail`` holds the head's last bytes so far); -1 if the head
+    goes on past ``data``."""
+    if tail:
+        straddle = (tail + data[:3]).find(b"\r\n\r\n")
+        if straddle >= 0:
+            return straddle + 4 - len(tail)
+    end = data.find(b"\r\n\r\n")
+    return -1 if end < 0 else end + 4
 
 
 def _resolve(future: asyncio.Future[None], exc: BaseException | None = None) -> None:
@@ -335,31 +347,34 @@ class _Connection(asyncio.Protocol):
         if reading is None or reading.done.done():
             self._broken(None)  # bytes nobody asked for: the connection cannot be trusted again
             return
-        head_pending = not reading.head.done()
-        if head_pending:
-            # Count the head only: the read that ends it may carry much of the body too (one
-            # read can hold 256 KiB). Its end is the first blank line, which may straddle reads.
-            tail = reading.head_tail
-            straddle = (tail + data[:3]).find(b"\r\n\r\n") if tail else -1
-            if straddle >= 0:
-                head_part = straddle + 4 - len(tail)
-            else:
-                end = data.find(b"\r\n\r\n")
-                head_part = len(data) if end < 0 else end + 4
-            reading.head_tail = data[-3:] if len(data) >= 3 else (tail + data)[-3:]
-            if reading.head_bytes + head_part > MAX_RESPONSE_HEAD:
+        # Until the final head has come, the parser is fed one head at a time, each counted
+        # against the limit: after a head's blank line comes another head if it was an interim
+        # response (100 Continue, 103 Early Hints), the body if it was the final one, and only
+        # the parser knows which. One read can hold several heads and much of the body (256 KiB).
+        while data and not reading.head.done():
+            end = _head_end(reading.head_tail, data)
+            part = len(data) if end < 0 else end
+            if reading.head_bytes + part > MAX_RESPONSE_HEAD:
                 self._broken(ResponseBroken(f"the upstream's response head exceeds {MAX_RESPONSE_HEAD} bytes"))
                 return
+            reading.head_bytes += part
+            reading.head_tail = b"" if end >= 0 else (reading.head_tail + data[-3:])[-3:]
+            if not self._feed(data[:part]):
+                return
+            data = data[part:]
+        if data and not self._feed(data):
+            return
+        if reading.size > reading.limit:
+            self._broken(ResponseTooLarge())
+
+    def _feed(self, data: bytes) -> bool:
+        """Parse ``data``; False if it is not HTTP/1.1 (the exchange has failed then)."""
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._broken(ResponseBroken(f"the upstream's response is not valid HTTP/1.1: {exc}"))
-            return
-        if head_pending:
-            # Still no final head (an interim response came first): all of it was head.
-            reading.head_bytes += head_part if reading.head.done() else len(data)
-        if reading.size > reading.limit:
-            self._broken(ResponseTooLarge())
+            return False
+        return True
 
     # -- TLS ----------------------------------------------------------------------------------
 

@@ -402,6 +402,28 @@ def test_an_endless_response_head_is_broken_not_buffered():
     assert isinstance(huge, ExchangeFailed) and huge.code is Code.REMOTE_OUTCOME_UNKNOWN and "exceeds" in huge.diagnostic
 
 
+@pytest.mark.parametrize("interim", [b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"],
+                         ids=["100", "103"])
+def test_a_head_over_its_limit_after_an_interim_response_in_the_same_read_is_broken(interim: bytes):
+    """The final head that follows an interim response in the same read is a head too, not body.
+    (100 KB reaches the client in one read on loopback; a read takes up to 256 KiB.)"""
+    final = b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 100_000 + b"\r\nContent-Length: 0\r\n\r\n"
+    huge, _, _ = run(_one(_replying(interim + final)))
+    assert isinstance(huge, ExchangeFailed) and huge.code is Code.REMOTE_OUTCOME_UNKNOWN and "exceeds" in huge.diagnostic, huge
+    assert not huge.headers_received
+
+
+def test_interim_heads_and_the_final_head_share_the_limit_and_its_body_does_not_count():
+    hints = b"HTTP/1.1 103 Early Hints\r\nLink: </" + b"a" * 40_000 + b">\r\n\r\n"
+    big = b"HTTP/1.1 200 OK\r\nX-Pad: " + b"p" * 30_000 + b"\r\nContent-Length: 2\r\n\r\nok"
+    broken, _, _ = run(_one(_replying(hints + big)))
+    assert isinstance(broken, ExchangeFailed) and "head exceeds" in broken.diagnostic, broken
+    body = bytes(range(256)) * 800
+    response, _, _ = run(_one(_replying(hints + b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body), limit=1 << 20))
+    assert not isinstance(response, Exception), response
+    assert response.status == 200 and response.body == body
+
+
 # -- TLS ------------------------------------------------------------------------------------------
 
 
