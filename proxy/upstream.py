@@ -443,8 +443,15 @@ class _Connection(asyncio.Protocol):
         self.reading.reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        assert self.reading is not None
-        self.reading.headers.append((name, value))
+        reading = self.reading
+        assert reading is not None
+        if reading.head.done():
+            # A trailer field of a chunked body. Not a header (RFC 9110 6.5.1): merged, a
+            # `Transfer-Encoding` there would change the framing recorded, a `Content-Encoding`
+            # how the body is read. The broker's answer has a Content-Length and no trailer
+            # section, so trailers are not passed on.
+            return
+        reading.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         reading = self.reading

@@ -595,6 +595,18 @@ def test_the_framing_recorded_is_the_one_the_body_was_read_by(coding: bytes, wir
     assert (response.body, response.framing) == (b"hello", framing)
 
 
+def test_trailer_fields_are_not_merged_into_the_header_section():
+    """RFC 9110 6.5.1: trailers are not headers, and framing fields there mean nothing. A chunked
+    response whose trailer says ``Transfer-Encoding: gzip`` was read by its chunks: it is chunked
+    (not close-delimited, which is weaker evidence), and its body is not gzip."""
+    wire = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: X-Checksum\r\n\r\n5\r\nhello\r\n"
+            b"0\r\nX-Checksum: abc\r\nTransfer-Encoding: gzip\r\nContent-Encoding: gzip\r\n\r\n")
+    response, _, _ = run(_one(_replying(wire)))
+    assert not isinstance(response, Exception), response
+    assert (response.body, response.framing) == (b"hello", "chunked")
+    assert [k for k, _ in response.headers] == ["Transfer-Encoding", "Trailer"], response.headers
+
+
 def test_an_early_answer_to_a_request_not_taken_whole_is_recorded_so_and_its_connection_not_reused():
     """An upstream that answers (413, keep-alive) after the head and stops reading: the answer is
     the result, but the request was not complete, and the connection, with the rest of the body
