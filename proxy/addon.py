@@ -19,7 +19,7 @@ from typing import Any, Callable
 from mitmproxy import http
 from mitmproxy.connection import Client, ConnectionState
 
-from .broker import AgentRequest, Broker, Reply, should_retry
+from .broker import AgentRequest, Broker, Reply, internal_error, should_retry
 from .contract import Code, Outcome, Phase, Retry
 from .envelope import MEDIA_TYPE, encode, envelope
 from .failpoints import failpoint_now
@@ -347,13 +347,6 @@ class _CallerWatch:
 
 def _internal_error() -> http.Response:
     """Last resort for a bug in the adapter: claim nothing the broker cannot prove."""
-    body = envelope(
-        None,
-        Code.REMOTE_OUTCOME_UNKNOWN,
-        Phase.REMOTE_EXECUTION,
-        Outcome.UNKNOWN,
-        Retry.RECONCILE,
+    return _reply_to_response(internal_error(
         "The broker hit an internal error while handling this request and cannot say whether it was "
-        "sent. Do not re-send blindly; operators: see the broker log and the journal.",
-    )
-    return _reply_to_response(Reply(500, [("Content-Type", MEDIA_TYPE), *should_retry(Retry.RECONCILE)], encode(body)))
+        "sent. Do not re-send blindly; operators: see the broker log and the journal."))

@@ -116,14 +116,19 @@ def create_app(
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
         return _problem(exc.status, exc.title, exc.detail, exc.headers)
 
-    async def _journal_away(_request: Request, exc: Exception) -> JSONResponse:
+    async def _journal_error(_request: Request, exc: Exception) -> JSONResponse:
+        if not queries.unreachable(exc):  # it answered: a bug or a damaged schema, which waiting will not cure
+            log.error("side API: the journal answered with an error that is not an outage: %s", brief(exc), exc_info=exc)
+            return _problem(500, "Internal Server Error", "The journal (database) answered this call with an error that "
+                            "is not an outage (a bug, or a schema this version does not expect). Retrying will not "
+                            "help; operators: see the broker log.")
         log.warning("side API: the journal did not answer: %s", brief(exc))
         return _problem(503, "Unavailable", "The journal (database) did not answer, so nothing can be read or "
                         "changed right now; nothing was changed. Retry after a delay; operators: check the database.",
                         {"Retry-After": "1"})
 
-    for kind in queries.UNREACHABLE:
-        app.add_exception_handler(kind, _journal_away)
+    for kind in queries.DATABASE_ERRORS:
+        app.add_exception_handler(kind, _journal_error)
 
     @app.exception_handler(DecryptError)
     async def _undecryptable(_request: Request, exc: DecryptError) -> JSONResponse:

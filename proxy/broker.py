@@ -591,7 +591,14 @@ class Broker:
             return self._unreadable(exc)
 
     def _unreadable(self, exc: "_Unreadable") -> Reply:
-        if exc.decrypt:
+        if exc.why == "error":
+            log.error("a request with an idempotency key could not be checked against the journal: the read failed "
+                      "on an error that is not an outage (%s); answered 500, nothing sent", exc, exc_info=exc.__cause__)
+            return internal_error(
+                "The broker hit an internal error while checking this request's idempotency key against its journal, "
+                "so it sent nothing. It cannot say what became of the operation the key names: do not re-send it "
+                "under a new key; operators: see the broker log.")
+        if exc.why == "decrypt":
             log.warning("a request with an idempotency key could not be checked against its invocation's record: %s; "
                         "refused as JOURNAL_UNAVAILABLE, nothing sent. Put the key back in [crypto] keys.", exc)
             return self._journal_unavailable(message=(
@@ -1247,6 +1254,14 @@ async def _settled_or_released(
             timer.cancel()
 
 
+def internal_error(message: str) -> Reply:
+    """The answer to a bug: HTTP 500, ``REMOTE_OUTCOME_UNKNOWN``, ``retry: reconcile``, naming no
+    record and with no ``Affidavit-*`` header (it vouches for nothing). ``message`` says what the
+    broker does know, such as that this request sent nothing."""
+    body = envelope(None, Code.REMOTE_OUTCOME_UNKNOWN, Phase.REMOTE_EXECUTION, Outcome.UNKNOWN, Retry.RECONCILE, message)
+    return Reply(500, [("Content-Type", MEDIA_TYPE), *should_retry(Retry.RECONCILE)], encode(body))
+
+
 def should_retry(retry: Retry) -> list[tuple[str, str]]:
     """``x-should-retry``: SDKs that retry on their own (OpenAI's and Anthropic's, among others)
     obey it. Only ``backoff`` lets a client's blind retry loop repeat the request; anything else
@@ -1329,23 +1344,23 @@ T = TypeVar("T")
 
 
 class _Unreadable(Exception):
-    """A read the broker needs before it may send anything failed: the database did not answer
-    (or, ``decrypt``, the record is under a key this broker does not have)."""
+    """A read the broker needs before it may send anything failed. ``why``: ``unreachable`` (the
+    database did not answer), ``decrypt`` (the record is under a key this broker does not have)
+    or ``error`` (the read failed otherwise: a bug, a damaged schema; not an outage)."""
 
-    def __init__(self, reason: str, decrypt: bool = False):
+    def __init__(self, reason: str, why: str):
         super().__init__(reason)
-        self.decrypt = decrypt
+        self.why = why
 
 
 async def _read(awaitable: Awaitable[T]) -> T:
-    """``await awaitable``, a journal read; the database not answering, or a record this broker's
-    keys cannot decrypt, becomes :class:`_Unreadable`."""
+    """``await awaitable``, a journal read; any failure of it becomes :class:`_Unreadable`."""
     try:
         return await awaitable
     except DecryptError as exc:
-        raise _Unreadable(f"the record cannot be decrypted: {exc}", decrypt=True) from exc
-    except queries.UNREACHABLE as exc:
-        raise _Unreadable(brief(exc)) from exc
+        raise _Unreadable(f"the record cannot be decrypted: {exc}", "decrypt") from exc
+    except Exception as exc:  # nothing has been sent yet, whatever went wrong: the answer can say so
+        raise _Unreadable(brief(exc), "unreachable" if queries.unreachable(exc) else "error") from exc
 
 
 WITHHELD_HEADER = "Affidavit-Withheld"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import secrets
+import sqlite3
 import threading
 import time
 from typing import Any
@@ -322,6 +323,46 @@ def test_a_read_only_database_fails_closed(make_broker, upstream, pg_admin_url):
         broker.stop()
     finally:
         drop()
+
+
+def _alter(url: str, statement: str) -> None:
+    """DDL on a broker's database, from outside the broker."""
+    if url.startswith("sqlite"):
+        with sqlite3.connect(make_url(url).database or "", timeout=10) as conn:
+            conn.execute(statement)
+    else:
+        query(url, statement)
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_a_read_the_database_answers_with_an_error_is_not_reported_as_an_outage(make_broker, upstream, dialect):
+    """A keyed repeat reads its record before it may send anything. When that read fails because
+    the database answered with an error (a column renamed under the broker: a damaged schema, not
+    an outage), the agent gets the broker's internal-error 500 saying nothing was sent, not 503
+    JOURNAL_UNAVAILABLE ("retry after a delay" would not help); the side API a 500 problem."""
+    broker = make_broker(dialect, routes=crash_routes(upstream))
+    key = f"schema-{time.monotonic_ns()}"
+    first = post(broker, SAFE + "/h/ok", key)
+    assert first.status_code == 200
+    invocation_id = first.headers["affidavit-invocation-id"]
+    broker.wait_for(invocation_id, lambda r: r["stage"] == "delivered")
+    _alter(broker.database_url, "ALTER TABLE events RENAME COLUMN payload TO payload_moved")
+    try:
+        again = post(broker, SAFE + "/h/ok", key)
+        body = check_envelope(again.content)
+        assert (again.status_code, body["invocation_id"], body["error"]["code"], body["error"]["outcome"],
+                body["error"]["retry"]) == (500, None, "REMOTE_OUTCOME_UNKNOWN", "unknown", "reconcile"), again.text
+        assert "so it sent nothing" in body["error"]["message"] and "affidavit-code" not in again.headers
+        with broker.operator() as api:
+            answer = api.get(f"/v1/invocations/{invocation_id}")
+        assert answer.status_code == 500 and answer.headers["content-type"] == "application/problem+json", answer.text
+        assert "not an outage" in answer.json()["detail"]
+    finally:
+        _alter(broker.database_url, "ALTER TABLE events RENAME COLUMN payload_moved TO payload")
+    replayed = post(broker, SAFE + "/h/ok", key)
+    assert replayed.status_code == 200 and replayed.headers["affidavit-invocation-id"] == invocation_id
+    assert upstream.effects == 1, "nothing was sent again"
+    assert "answered 500, nothing sent" in broker.logs()
 
 
 def test_a_result_that_cannot_be_stored_is_delivered_flagged_and_recorded_later(relayed_pg, make_broker, upstream):

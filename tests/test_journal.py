@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import time
 from datetime import UTC, datetime, timedelta, timezone
 
+import asyncpg
 import pytest
 from sqlalchemy import select, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from proxy.contract import EventKind, Phase, project
 from proxy.invocation_log import Identity, InvocationLog, new_invocation_id
@@ -255,6 +259,104 @@ def test_an_unreachable_database_fails_fast_and_a_later_write_of_the_same_invoca
     elapsed, healthy = asyncio.run(scenario())
     assert elapsed < 5
     assert not healthy
+
+
+async def _error_of(engine: AsyncEngine, *statements: str) -> BaseException:
+    """What running ``statements`` in one transaction raises (the test fails if nothing)."""
+    try:
+        async with engine.begin() as conn:
+            for statement in statements:
+                await conn.execute(text(statement))
+    except Exception as exc:
+        return exc
+    raise AssertionError(f"{statements} did not fail")
+
+
+def test_only_errors_that_mean_the_database_is_away_are_unreachable(db, tmp_path):
+    """``queries.unreachable`` decides between 503 JOURNAL_UNAVAILABLE and an internal error. Real
+    errors of both kinds: queries the database answered with an error, and a database that is away."""
+    postgres = db.startswith("postgresql")
+
+    async def scenario() -> tuple[list[BaseException], list[BaseException]]:
+        engine = make_engine(db)
+        answered = [
+            await _error_of(engine, "SELECT * FROM no_such_table"),
+            await _error_of(engine, "SELECT no_such_column FROM invocations"),
+            await _error_of(engine, "SELEC 1"),
+        ]
+        async with engine.begin() as conn:
+            await conn.execute(text("CREATE TABLE probe (id INTEGER PRIMARY KEY)"))
+            await conn.execute(text("INSERT INTO probe VALUES (1)"))
+        answered.append(await _error_of(engine, "INSERT INTO probe VALUES (1)"))  # a unique violation
+
+        away = []
+        one = create_async_engine(db, pool_size=1, max_overflow=0, pool_timeout=0.2)
+        async with one.connect():
+            away.append(await _error_of(one, "SELECT 1"))  # no pooled connection free in time
+        await one.dispose()
+        if postgres:
+            gone = create_async_engine(make_url(db).set(port=free_port()))
+            away.append(await _error_of(gone, "SELECT 1"))  # connection refused
+            await gone.dispose()
+            away.append(await _error_of(engine, "SET LOCAL statement_timeout = 100", "SELECT pg_sleep(2)"))
+            async with engine.connect() as conn:  # an administrator ends the session mid-query
+                pid = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar()
+                sleeping = asyncio.ensure_future(conn.execute(text("SELECT pg_sleep(5)")))
+                await asyncio.sleep(0.3)
+                async with engine.connect() as admin:
+                    await admin.execute(text(f"SELECT pg_terminate_backend({pid})"))
+                try:
+                    await sleeping
+                except Exception as exc:
+                    away.append(exc)
+            assert len(away) == 4, away
+        else:
+            missing = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'no' / 'such' / 'dir.db'}")
+            away.append(await _error_of(missing, "SELECT 1"))  # unable to open
+            await missing.dispose()
+            locked = create_async_engine(db, connect_args={"timeout": 0.2})
+            holder = sqlite3.connect(make_url(db).database or "")
+            holder.execute("BEGIN EXCLUSIVE")
+            try:
+                away.append(await _error_of(locked, "INSERT INTO probe VALUES (2)"))  # database is locked
+            finally:
+                holder.rollback()
+                holder.close()
+            await locked.dispose()
+        await engine.dispose()
+        return answered, away
+
+    answered, away = asyncio.run(scenario())
+    assert [e for e in answered if queries.unreachable(e)] == []
+    assert [e for e in away if not queries.unreachable(e)] == []
+
+
+@pytest.mark.parametrize(
+    ("error", "away"),
+    [
+        (asyncpg.CannotConnectNowError("the database system is starting up"), True),
+        (asyncpg.TooManyConnectionsError("sorry, too many clients already"), True),
+        (asyncpg.AdminShutdownError("terminating connection due to administrator command"), True),
+        (asyncpg.ConnectionDoesNotExistError("connection was closed in the middle of operation"), True),
+        (asyncpg.ReadOnlySQLTransactionError("cannot execute UPDATE in a read-only transaction"), True),
+        (asyncpg.InterfaceError("connection is closed"), True),
+        (asyncpg.InvalidCachedStatementError("cached statement plan is invalid due to a database schema change"), True),
+        (ConnectionResetError("reset by peer"), True),
+        (sqlite3.OperationalError("database is locked"), True),  # as the SQLite writer process passes it on
+        (asyncpg.InterfaceError("cannot perform operation: another operation is in progress"), False),
+        (asyncpg.DataError("invalid input for query argument $1"), False),
+        (asyncpg.UniqueViolationError("duplicate key value violates unique constraint"), False),
+        (sqlite3.OperationalError("no such column: events.payload"), False),
+        (sqlite3.IntegrityError("UNIQUE constraint failed: invocations.invocation_id"), False),
+        (KeyError("payload"), False),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else str(v),
+)
+def test_the_errors_no_test_database_can_be_made_to_raise_are_classified_too(error: BaseException, away: bool):
+    assert queries.unreachable(error) is away
+    wrapped = RuntimeError("wrapping")
+    wrapped.__cause__ = error
+    assert queries.unreachable(wrapped) is away, "the cause counts"
 
 
 def test_payloads_are_json_and_hold_no_surprises(db):

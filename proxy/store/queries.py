@@ -11,7 +11,7 @@ import sqlite3
 
 import asyncpg
 from sqlalchemy import select, text
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -19,9 +19,67 @@ from ..contract import Event, EventKind
 from ..crypto import PayloadDecoder, ResultDecoder
 from .schema import events, invocations, results
 
-#: What a read raises when the database does not answer (down, unreachable, pool exhausted).
-UNREACHABLE = (DBAPIError, PoolTimeout, asyncpg.PostgresError, asyncpg.InterfaceError, sqlite3.Error, OSError,
-               asyncio.TimeoutError)
+#: What a read of the journal raises when it fails: because the database is away, or because it
+#: answered the query with an error. :func:`unreachable` tells the two apart.
+DATABASE_ERRORS = (SQLAlchemyError, asyncpg.PostgresError, asyncpg.InterfaceError, sqlite3.Error, OSError,
+                   asyncio.TimeoutError)
+
+#: PostgreSQL's SQLSTATE classes that mean it cannot serve now, whatever the query: a connection
+#: exception (08), a login refused (28), insufficient resources (53: too many connections, disk
+#: full), operator intervention (57: shutting down, starting up, a statement timeout) and system
+#: errors (58: I/O).
+_PG_AWAY_CLASSES = frozenset({"08", "28", "53", "57", "58"})
+#: And single codes: no such database (3D000), a read-only one (25006: a standby), a lock not
+#: granted in time (55P03).
+_PG_AWAY_CODES = frozenset({"3D000", "25006", "55P03"})
+#: SQLite's primary result codes for the same: another process holds the file, it cannot be
+#: opened, written or read, or memory ran out.
+_SQLITE_AWAY = frozenset({sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_NOMEM, sqlite3.SQLITE_READONLY,
+                          sqlite3.SQLITE_IOERR, sqlite3.SQLITE_FULL, sqlite3.SQLITE_CANTOPEN})
+#: Their messages, for an error that carries no code (one passed on from the SQLite writer process).
+_SQLITE_AWAY_TEXT = ("database is locked", "database table is locked", "unable to open database", "disk I/O error",
+                     "database or disk is full", "attempt to write a readonly database", "out of memory")
+#: asyncpg's InterfaceError is mostly a misuse of the driver; these messages are a closed connection.
+_ASYNCPG_CLOSED = ("connection is closed", "pool is closed", "pool is closing")
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a use of the journal, means the database cannot be reached or
+    cannot serve now (down, restarting, out of connections, locked, too slow, its prepared
+    statements stale after a migration), which waiting may cure. False when it answered with an error about the query itself (a missing table or column,
+    a broken constraint, a bug): that is no outage, and must not be reported as one.
+
+    SQLAlchemy and its drivers wrap the cause (``orig``, ``__cause__``): the whole chain is looked at.
+    """
+    seen: set[int] = set()
+    chain: list[BaseException | None] = [exc]
+    while chain:
+        error = chain.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if _away(error):
+            return True
+        chain += [getattr(error, "orig", None), error.__cause__]
+    return False
+
+
+def _away(error: BaseException) -> bool:
+    if isinstance(error, (OSError, asyncio.TimeoutError, PoolTimeout, DisconnectionError)):
+        return True  # refused, reset, unresolvable, timed out; no pooled connection free in time
+    if isinstance(error, DBAPIError):
+        return error.connection_invalidated  # SQLAlchemy's dialect saw the connection end
+    if isinstance(error, asyncpg.InterfaceError):
+        return str(error).startswith(_ASYNCPG_CLOSED)
+    if isinstance(error, asyncpg.InvalidCachedStatementError):
+        return True  # prepared before another process changed the schema (a migration): the next try prepares it anew
+    if isinstance(error, sqlite3.Error):
+        code = getattr(error, "sqlite_errorcode", None)
+        if code is not None:
+            return code & 0xFF in _SQLITE_AWAY
+        return any(phrase in str(error) for phrase in _SQLITE_AWAY_TEXT)
+    sqlstate = getattr(error, "sqlstate", None)  # asyncpg's errors, and SQLAlchemy's adapted ones
+    return isinstance(sqlstate, str) and (sqlstate[:2] in _PG_AWAY_CLASSES or sqlstate in _PG_AWAY_CODES)
 
 
 def _row(row: Any) -> dict[str, Any]:
