@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import hmac
 import logging
 import time
@@ -20,7 +21,7 @@ from mitmproxy import http
 from mitmproxy.connection import Client, ConnectionState
 
 from .broker import AgentRequest, Broker, Reply, internal_error, should_retry
-from .contract import Code, Outcome, Phase, Retry
+from .contract import CallerDisposition, Code, Outcome, Phase, Retry
 from .envelope import MEDIA_TYPE, encode, envelope
 from .failpoints import failpoint_now
 
@@ -150,6 +151,47 @@ def install_core_refusals(body_limit: int) -> None:
     _http2.Http2Server._handle_event = http2_handle_event  # type: ignore[method-assign]
 
 
+def install_caller_watch(addon: "BrokerAddon") -> None:
+    """Tell ``addon`` at once when an agent abandons a request whose ``request`` hook still runs.
+
+    mitmproxy has no hook for this. While a blocking hook runs, it parks every later event for
+    that request's stream, unread, and only looks at them when the hook returns (``HttpStream.
+    check_killed``, which then sets ``flow.error`` and fires ``error``). A closed connection shows
+    meanwhile on the connection's state (which a timer used to poll), but an HTTP/2 agent cancels
+    one request with RST_STREAM and keeps its connection: nothing outside the stream changes, and
+    a held request would be dispatched on approval after its agent had cancelled it. Every way an
+    agent abandons a request (an HTTP/2 stream reset, an HTTP/2 connection closed or GOAWAY, an
+    HTTP/1 connection closed) reaches the request's ``HttpStream`` as a ``RequestProtocolError``
+    event the moment it happens; ``HttpStream.handle_event`` (inherited from ``Layer``) is wrapped
+    here to pass that on before mitmproxy parks it, and otherwise changes nothing mitmproxy does.
+    Pinned by the HTTP/2 reset and close tests in tests/test_hostile_contract.py and
+    tests/test_human_control.py (and the HTTP/1 ones there), so an upgrade that moves it fails.
+    """
+    from mitmproxy.proxy.layers.http import HttpStream, RequestProtocolError
+
+    handle_event = getattr(HttpStream.handle_event, "__wrapped__", HttpStream.handle_event)
+
+    def stream_handle_event(self: HttpStream, event: Any) -> Any:
+        if isinstance(event, RequestProtocolError):
+            flow = getattr(self, "flow", None)  # set with the request's headers
+            if flow is not None:
+                addon.caller_left(flow)
+        return (yield from handle_event(self, event))
+
+    stream_handle_event.__wrapped__ = handle_event  # type: ignore[attr-defined]
+    HttpStream.handle_event = stream_handle_event  # type: ignore[method-assign]
+
+
+def _how_left(flow: http.HTTPFlow) -> CallerDisposition:
+    """An agent whose connection still reads abandoned this one request (an HTTP/2 stream reset):
+    ``cancelled``; one whose connection is going or gone: ``disconnected``. mitmproxy marks the
+    connection before it tells the streams (an EOF clears CAN_READ first; on GOAWAY or a protocol
+    error it closes the connection, then fails each stream)."""
+    if flow.client_conn.state & ConnectionState.CAN_READ:
+        return CallerDisposition.CANCELLED
+    return CallerDisposition.DISCONNECTED
+
+
 class AgentAuth:
     """Agents authenticate with ``Proxy-Authorization: Basic agent:token``.
 
@@ -271,15 +313,13 @@ class BrokerAddon:
                 body=r.raw_content or b"",
             )
             self._live[flow.id] = req
-            watch = _CallerWatch(flow, req)
             try:
                 reply = await self.broker.handle(req)
             finally:
-                watch.stop()
                 self._live.pop(flow.id, None)
             if req.caller_gone.is_set() or flow.error is not None:
                 if reply.undelivered is not None:
-                    reply.undelivered()
+                    reply.undelivered(req.left_as if req.caller_gone.is_set() else _how_left(flow))
                 return
             flow.response = _reply_to_response(reply)
             self._unsent[flow.id] = reply
@@ -292,21 +332,30 @@ class BrokerAddon:
         if reply is None:
             return
         failpoint_now("during_delivery")
-        handed = flow.error is None and flow.client_conn.timestamp_end is None
-        record = reply.delivered if handed else reply.undelivered
+        record: Callable[[], None] | None = reply.delivered
+        if flow.error is not None or flow.client_conn.timestamp_end is not None:
+            record = reply.undelivered and functools.partial(reply.undelivered, _how_left(flow))
         if record is not None:
             # mitmproxy writes the response as soon as this hook returns, in the same step of the
             # event loop; recording it afterwards takes that work off the caller's wait.
             asyncio.get_running_loop().call_soon(_record_delivery, record, reply.invocation_id)
 
-    def error(self, flow: http.HTTPFlow) -> None:
+    def caller_left(self, flow: http.HTTPFlow) -> None:
+        """The agent abandoned ``flow`` (see :func:`install_caller_watch`); if the broker is
+        still handling it, the broker stops waiting for the agent's sake, as when an agent goes."""
         try:
             req = self._live.get(flow.id)
             if req is not None:
-                req.caller_gone.set()
+                req.leave(_how_left(flow))
+        except Exception:
+            log.exception("could not note that a caller left")
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        try:
+            self.caller_left(flow)
             reply = self._unsent.pop(flow.id, None)
             if reply is not None and reply.undelivered is not None:
-                reply.undelivered()
+                reply.undelivered(_how_left(flow))
         except Exception:
             log.exception("could not record a caller's disconnect")
 
@@ -317,32 +366,6 @@ def _record_delivery(record: Callable[[], None], invocation_id: str | None) -> N
         record()
     except Exception:
         log.exception("could not record delivery of %s", invocation_id)
-
-
-class _CallerWatch:
-    """Notices an agent that hangs up while its request is being handled.
-
-    mitmproxy queues a client's disconnect while a blocking hook runs, so neither ``error`` nor
-    ``client_disconnected`` fires until the broker answers; but the connection's read side is
-    marked closed as soon as the EOF arrives. A cheap timer checks that flag.
-    """
-
-    INTERVAL = 0.1
-
-    def __init__(self, flow: http.HTTPFlow, req: AgentRequest):
-        self._flow = flow
-        self._req = req
-        self._loop = asyncio.get_running_loop()
-        self._handle = self._loop.call_later(self.INTERVAL, self._check)
-
-    def _check(self) -> None:
-        if not self._flow.client_conn.state & ConnectionState.CAN_READ:
-            self._req.caller_gone.set()
-            return
-        self._handle = self._loop.call_later(self.INTERVAL, self._check)
-
-    def stop(self) -> None:
-        self._handle.cancel()
 
 
 def _internal_error() -> http.Response:

@@ -23,7 +23,7 @@ from mitmproxy.master import Master
 from ulid import ULID
 
 from . import logs
-from .addon import AgentAuth, BrokerAddon, install_core_refusals
+from .addon import AgentAuth, BrokerAddon, install_caller_watch, install_core_refusals
 from .api import create_app
 from .broker import Broker
 from .config import ConfigError, Settings, parse_listen
@@ -194,7 +194,9 @@ async def serve(
     largest = max([int(r.max_body) for r in settings.routes if r.max_body is not None] + [int(settings.proxy.max_body)])
     core_limit = largest + 1024 * 1024  # what mitmproxy reads at most, before any hook
     install_core_refusals(core_limit)
-    master = lean_master(opts, BrokerAddon(broker, AgentAuth(tokens), on_running=ready.set), body_size_limit=str(core_limit))
+    addon = BrokerAddon(broker, AgentAuth(tokens), on_running=ready.set)
+    install_caller_watch(addon)
+    master = lean_master(opts, addon, body_size_limit=str(core_limit))
 
     api_host, api_port = parse_listen(settings.api.listen)
     api = uvicorn.Server(

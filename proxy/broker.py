@@ -32,6 +32,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 from . import metrics
 from .config import Route, Settings
 from .contract import (
+    CallerDisposition,
     Code,
     Event,
     EventKind,
@@ -141,12 +142,21 @@ class AgentRequest:
     path: str
     headers: list[tuple[str, str]]
     body: bytes
-    #: Set by the adapter when the agent's connection goes away.
+    #: Set by the adapter when the agent stops waiting (:meth:`leave`).
     caller_gone: Flag = field(default_factory=Flag)
+    #: How it stopped: its connection went (``disconnected``), or it cancelled this one request
+    #: and kept the connection (``cancelled``: an HTTP/2 stream reset).
+    left_as: CallerDisposition = CallerDisposition.DISCONNECTED
 
     def header(self, name: str) -> str | None:
         name = name.lower()
         return next((v for k, v in self.headers if k.lower() == name), None)
+
+    def leave(self, disposition: CallerDisposition) -> None:
+        """The agent stopped waiting; the first way it did so is the one kept."""
+        if not self.caller_gone.is_set():
+            self.left_as = disposition
+            self.caller_gone.set()
 
 
 @dataclass(slots=True)
@@ -158,8 +168,9 @@ class Reply:
     reason: str = ""
     #: Called by the adapter once the reply was handed to the caller's connection.
     delivered: Callable[[], None] | None = None
-    #: Called by the adapter when the caller was gone before the reply could be handed over.
-    undelivered: Callable[[], None] | None = None
+    #: Called by the adapter, with how the caller left, when it was gone before the reply could
+    #: be handed over.
+    undelivered: Callable[[CallerDisposition], None] | None = None
 
 
 @dataclass(slots=True)
@@ -862,7 +873,7 @@ class Broker:
                     "An operator denied this request. Nothing was sent and no secret was touched.",
                 )
             if req.caller_gone.is_set():
-                entry.append(EventKind.CALLER_CANCELLED, disposition="disconnected")
+                entry.append(EventKind.CALLER_CANCELLED, disposition=req.left_as.value)
                 entry.append(EventKind.FAILED, phase=Phase.VALIDATION, code=Code.CALLER_CANCELLED)
                 entry.submit_quietly()
                 return Reply(499, [], b"", entry.invocation_id)
@@ -904,7 +915,7 @@ class Broker:
         await _settled_or_released(loop, task, req.caller_gone, exchange.dispatched, timeout)
         if task.done():
             return await self._answer(exchange, task.result())
-        disposition = "disconnected" if req.caller_gone.is_set() else "timed_out"
+        disposition = req.left_as.value if req.caller_gone.is_set() else "timed_out"
         return await self._release_caller(entry, exchange, task, disposition, started, self._horizon(route))
 
     async def _release_caller(
@@ -1003,9 +1014,10 @@ class Broker:
             # Complete and authentic, but not stored: the caller gets the truth now, flagged; the
             # broker keeps trying to record it and never re-sends.
             reply = self._result_reply(exchange, settled.response, code=Code.RESULT_STORE_FAILED)
-            handed: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            reply.delivered = lambda: handed.done() or handed.set_result(True)
-            reply.undelivered = lambda: handed.done() or handed.set_result(False)
+            # None once delivered; else how the caller left.
+            handed: asyncio.Future[CallerDisposition | None] = asyncio.get_running_loop().create_future()
+            reply.delivered = lambda: handed.done() or handed.set_result(None)
+            reply.undelivered = lambda left: handed.done() or handed.set_result(left)
             self._spawn(self._repair(entry, settled.response.status, handed))
             return reply
         if settled.refused is not None and settled.refused.code is Code.JOURNAL_UNAVAILABLE:
@@ -1055,7 +1067,7 @@ class Broker:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _repair(self, entry: InvocationLog, status: int, handed: asyncio.Future[bool] | None) -> None:
+    async def _repair(self, entry: InvocationLog, status: int, handed: asyncio.Future[CallerDisposition | None] | None) -> None:
         """Record a complete result the journal refused, once the journal takes writes again.
 
         Until then the record shows the request dispatched and unfinished; if the broker stops
@@ -1078,11 +1090,16 @@ class Broker:
                 if time.monotonic() > deadline:
                     log.error("gave up recording the result of %s; recovery will close it as unknown", entry.invocation_id)
                     return
-        delivered = await asyncio.wait_for(handed, 60) if handed is not None else False
-        if delivered:
+        if handed is None:  # no one was waiting: the caller's wait ended before, and is recorded
+            left: CallerDisposition | None = entry.record.caller_disposition
+            if left is CallerDisposition.WAITING:
+                left = CallerDisposition.DISCONNECTED
+        else:
+            left = await asyncio.wait_for(handed, 60)
+        if left is None:
             entry.append(EventKind.RESULT_DELIVERED, channel="proxy", recorded_after_delivery=True)
         else:
-            entry.append(EventKind.CALLER_CANCELLED, disposition="disconnected")
+            entry.append(EventKind.CALLER_CANCELLED, disposition=left.value)
             entry.append(EventKind.FAILED, phase=Phase.RESULT_DELIVERY, code=Code.CALLER_CANCELLED)
         try:
             await entry.commit()
@@ -1109,7 +1126,7 @@ class Broker:
         reason = _redacted_text(response.reason, exchange.needles) or ""
         reply = Reply(response.status, headers, body, entry.invocation_id, reason=reason)
         reply.delivered = lambda: self._delivered(entry)
-        reply.undelivered = lambda: self._undelivered(entry)
+        reply.undelivered = lambda left: self._undelivered(entry, left)
         return reply
 
     def _delivered(self, entry: InvocationLog) -> None:
@@ -1118,10 +1135,10 @@ class Broker:
         entry.append(EventKind.RESULT_DELIVERED, channel="proxy")
         entry.submit_quietly()
 
-    def _undelivered(self, entry: InvocationLog) -> None:
+    def _undelivered(self, entry: InvocationLog, left: CallerDisposition) -> None:
         if entry.broken:
             return
-        entry.append(EventKind.CALLER_CANCELLED, disposition="disconnected")
+        entry.append(EventKind.CALLER_CANCELLED, disposition=left.value)
         entry.append(EventKind.FAILED, phase=Phase.RESULT_DELIVERY, code=Code.CALLER_CANCELLED)
         entry.submit_quietly()
 

@@ -7,6 +7,7 @@ client got (envelope or response), and what the upstream actually received and a
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Iterator
 
@@ -18,6 +19,7 @@ from tests.support.broker import BrokerProcess
 from tests.support.canaries import CANARIES
 from tests.support.certs import TestPKI
 from tests.support.envelopes import check_envelope
+from tests.support.h2agent import H2Agent
 from tests.support.hostile import HostileUpstream, free_port
 
 H = "https://hostile.example.test"
@@ -340,6 +342,62 @@ def test_a_caller_that_gives_up_on_a_silent_upstream_leaves_an_unknown_record(br
     assert record["caller_disposition"] == "disconnected"
     assert record["outcome"] == "unknown" and record["retry"] == "reconcile"
     assert upstream.effects == 1
+
+
+def _http2_exchange_left(broker: BrokerProcess, upstream: HostileUpstream, leave: str) -> tuple[dict[str, Any], float, str]:
+    """An HTTP/2 agent sends a slow request and a shorter one on one connection, then abandons the
+    slow one (``reset``: RST_STREAM on its stream; ``close``: its whole connection) while the
+    upstream still works on it. Returns the slow one's record once the caller's wait is recorded,
+    the seconds that took, and the other stream's invocation id (empty if closed with it)."""
+    with H2Agent(broker, "slow.example.test") as agent:
+        slow = agent.request("POST", "/h/slow?delay=2.5", b'{"charge":1}')
+        other = agent.request("GET", "/h/slow?delay=1.2")
+        upstream.wait_for_requests(2)
+        time.sleep(0.3)
+        if leave == "reset":
+            agent.reset(slow)
+        else:
+            agent.close()
+        left_at = time.monotonic()
+        with broker.operator() as api:
+            items = api.get("/v1/invocations", params={"route": "h.slow", "limit": 2}).json()["items"]
+        slow_id = next(i["invocation_id"] for i in items if i["method"] == "POST")
+        record = broker.wait_for(slow_id, lambda r: r["caller_disposition"] != "waiting", timeout=6)
+        took = time.monotonic() - left_at
+        other_id = ""
+        if leave == "reset":
+            status, headers, body = agent.response(other)
+            assert status == 200 and headers["affidavit-outcome"] == "committed", (status, headers, body)
+            assert json.loads(body)["path"] == "/h/slow?delay=1.2"
+            other_id = headers["affidavit-invocation-id"]
+    return record, took, other_id
+
+
+def test_an_http2_agent_that_resets_one_stream_is_let_go_at_once_and_its_other_streams_go_on(broker, upstream):
+    """RST_STREAM keeps the connection: mitmproxy reports it only to the stream, and only after the
+    request hook returns; the broker must notice it at once (the route waits 10 s for a response)."""
+    record, took, other_id = _http2_exchange_left(broker, upstream, "reset")
+    assert record["caller_disposition"] == "cancelled", record
+    assert took < 2.0 and "REMOTE_RESPONSE_COMPLETE" not in kinds(record), "noticed before the upstream answered"
+    assert record["evidence"]["dispatch_started"] is True
+    # The remote side is still the upstream's: its late, complete answer is the outcome.
+    ended = broker.wait_for(record["invocation_id"], lambda r: r["stage"] == "delivery_failed", timeout=10)
+    assert ended["outcome"] == "committed" and ended["caller_disposition"] == "cancelled"
+    assert (ended["phase"], ended["code"], ended["retry"]) == ("result_delivery", "CALLER_CANCELLED", "fetch_result")
+    assert [e["data"]["disposition"] for e in ended["events"] if e["kind"] == "CALLER_CANCELLED"] == ["cancelled"]
+    # The other stream on the same connection was answered and recorded as usual.
+    other = broker.wait_for(other_id, lambda r: r["stage"] == "delivered")
+    assert other["caller_disposition"] == "completed" and other["outcome"] == "committed"
+    assert upstream.effects == 2
+
+
+def test_an_http2_agent_that_closes_its_connection_is_disconnected_not_cancelled(broker, upstream):
+    """The other way an HTTP/2 agent leaves: the connection goes, so the wait is ``disconnected``
+    (what ``cancelled`` means, one request abandoned on a live connection, is not true here)."""
+    record, took, _ = _http2_exchange_left(broker, upstream, "close")
+    assert record["caller_disposition"] == "disconnected" and took < 2.0, record
+    ended = broker.wait_for(record["invocation_id"], lambda r: r["stage"] == "delivery_failed", timeout=10)
+    assert ended["outcome"] == "committed" and ended["caller_disposition"] == "disconnected"
 
 
 def test_an_upstream_cannot_speak_for_the_broker(broker, upstream):

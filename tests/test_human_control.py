@@ -16,6 +16,7 @@ from tests.conftest import DIALECTS, module_broker
 from tests.support.broker import BrokerProcess
 from tests.support.certs import TestPKI
 from tests.support.envelopes import check_envelope
+from tests.support.h2agent import H2Agent
 from tests.support.hostile import HostileUpstream
 
 PAY = "https://ctl-pay.example.test"
@@ -248,6 +249,35 @@ def test_a_denied_request_is_not_attempted_and_sends_nothing(broker, upstream):
     time.sleep(0.3)  # the lines are written a loop turn or two after the end
     ended = [line for line in broker.logs().splitlines() if card["invocation_id"] in line and '"invocation ended"' in line]
     assert len(ended) == 1, "one end, logged and counted once (by whoever appended it, not again by the holder)"
+
+
+def test_an_http2_agent_that_resets_its_held_request_cancels_it_and_an_approval_sends_nothing(broker, upstream):
+    """RST_STREAM cancels one request and keeps the connection (mitmproxy tells the stream only
+    after the request hook returns): the held request must end as when an agent hangs up."""
+    body = b'{"deploy":"v46","stream":"reset"}'
+    with H2Agent(broker, "ctl-held.example.test") as agent:
+        stream = agent.request("POST", "/h/status?code=201", body)
+        card = wait_for_card(broker, lambda c: c["body_bytes"] == len(body))
+        agent.reset(stream)
+        record = broker.wait_for(card["invocation_id"], lambda r: r["stage"] != "held", timeout=5)
+        assert (record["outcome"], record["code"], record["phase"]) == ("not_attempted", "CALLER_CANCELLED", "validation")
+        assert record["caller_disposition"] == "cancelled" and record["evidence"]["dispatch_started"] is False
+        with broker.operator() as api:
+            pending = [c["invocation_id"] for c in api.get("/v1/approvals").json()["items"]]
+            assert card["invocation_id"] not in pending, "the card is gone"
+            approve = api.post(f"/v1/approvals/{card['invocation_id']}", json={"decision": "approve", "note": "too late"})
+        assert approve.status_code == 409, approve.text
+        time.sleep(1.0)  # a holder that missed the reset would dispatch on its next look
+        assert sent(upstream) == [], "nothing reached the upstream"
+        after = broker.invocation(card["invocation_id"], broker.operator_token)
+        assert [e["kind"] for e in after["events"]] == [
+            "ACTION_ACCEPTED", "PREFLIGHT_VALIDATED", "APPROVAL_REQUESTED", "CALLER_CANCELLED", "FAILED"]
+        # The connection carries on: another stream is held, and decided, as usual.
+        again = agent.request("POST", "/h/status?code=201", body + b" ")
+        second = wait_for_card(broker, lambda c: c["body_bytes"] == len(body) + 1)
+        cli(broker, "approvals", "deny", second["invocation_id"])
+        status, _, _ = agent.response(again)
+        assert status == 403 and sent(upstream) == []
 
 
 def test_no_decision_in_time_is_not_attempted_with_the_reason(make_broker, upstream):

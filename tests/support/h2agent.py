@@ -1,0 +1,105 @@
+"""An HTTP/2 agent that writes its own frames, for what httpx and curl do not expose: resetting one
+request's stream (RST_STREAM) while the connection, and its other streams, carry on.
+
+It speaks through the broker as any agent does: CONNECT with its credentials, TLS trusting the
+broker's CA, ALPN ``h2``. The frames come from the ``h2`` library, which mitmproxy depends on.
+"""
+
+from __future__ import annotations
+
+import base64
+import socket
+import ssl
+import time
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+
+from .broker import BrokerProcess
+
+
+class H2Agent:
+    def __init__(self, broker: BrokerProcess, host: str, port: int = 443, agent: str = "builder") -> None:
+        self.authority = f"{host}:{port}"
+        token = broker.agents[agent].token
+        sock = socket.create_connection(("127.0.0.1", broker.proxy_port), timeout=10)
+        basic = base64.b64encode(f"{agent}:{token}".encode()).decode()
+        sock.sendall(f"CONNECT {self.authority} HTTP/1.1\r\nHost: {self.authority}\r\n"
+                     f"Proxy-Authorization: Basic {basic}\r\n\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(4096)
+            assert chunk, head
+            head += chunk
+        assert head.startswith(b"HTTP/1.1 200"), head
+        context = ssl.create_default_context(cafile=str(broker.ca_path))
+        context.set_alpn_protocols(["h2"])
+        self.sock = context.wrap_socket(sock, server_hostname=host)
+        assert self.sock.selected_alpn_protocol() == "h2"
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.conn.initiate_connection()
+        self._flush()
+        #: per stream: {"headers": [...], "body": bytes, "ended": "StreamEnded" | "StreamReset" | None}
+        self.streams: dict[int, dict[str, Any]] = {}
+
+    def __enter__(self) -> "H2Agent":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _flush(self) -> None:
+        data = self.conn.data_to_send()
+        if data:
+            self.sock.sendall(data)
+
+    def request(self, method: str, path: str, body: bytes = b"", headers: list[tuple[str, str]] | None = None) -> int:
+        """Send a whole request on a new stream; returns the stream's id."""
+        stream_id = self.conn.get_next_available_stream_id()
+        fields = [(":method", method), (":scheme", "https"), (":authority", self.authority), (":path", path),
+                  *(headers or []), *([("content-length", str(len(body)))] if body else [])]
+        self.conn.send_headers(stream_id, fields, end_stream=not body)
+        if body:
+            self.conn.send_data(stream_id, body, end_stream=True)
+        self._flush()
+        self.streams[stream_id] = {"headers": None, "body": b"", "ended": None}
+        return stream_id
+
+    def reset(self, stream_id: int) -> None:
+        """RST_STREAM(CANCEL): the HTTP/2 way to abandon one request; the connection stays."""
+        self.conn.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+        self._flush()
+
+    def response(self, stream_id: int, timeout: float = 15) -> tuple[int, dict[str, str], bytes]:
+        """Read until ``stream_id`` has a complete response: (status, headers, body)."""
+        deadline = time.monotonic() + timeout
+        while self.streams[stream_id]["ended"] is None:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no complete response on stream {stream_id} in {timeout}s"
+            self.sock.settimeout(left)
+            data = self.sock.recv(65536)
+            assert data, "the broker closed the connection"
+            for event in self.conn.receive_data(data):
+                state = self.streams.get(getattr(event, "stream_id", None) or 0)
+                if isinstance(event, h2.events.ResponseReceived) and state is not None:
+                    state["headers"] = event.headers
+                elif isinstance(event, h2.events.DataReceived):
+                    self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                    if state is not None:
+                        state["body"] += event.data
+                elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)) and state is not None:
+                    state["ended"] = type(event).__name__
+            self._flush()
+        state = self.streams[stream_id]
+        assert state["ended"] == "StreamEnded", state
+        headers = dict(state["headers"])
+        return int(headers.pop(":status")), headers, state["body"]
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
