@@ -81,8 +81,22 @@ def credentials_rejected() -> http.Response:
     )
 
 
+def trailers_refused() -> http.Response:
+    """A request with trailer fields: the broker forwards none (its upstream client sends no
+    trailers and the fingerprint covers none), and sending the request without them would send
+    something other than what the agent asked for. Refused whole, over either HTTP version."""
+    log.info("refused a request with trailer fields: 400 %s", Code.MALFORMED_REQUEST.value)
+    return _refusal(
+        400,
+        Code.MALFORMED_REQUEST,
+        "The request carries trailer fields (after its chunked body, or in a last HTTP/2 HEADERS frame). "
+        "The broker does not forward request trailers, and sending the request without them would change it. "
+        "Nothing was sent upstream and nothing was recorded. Send these fields as headers instead.",
+    )
+
+
 def install_core_refusals(body_limit: int) -> None:
-    """Make the two refusals mitmproxy sends itself, before any hook runs, envelopes like every
+    """Make the refusals mitmproxy sends itself, before any hook runs, envelopes like every
     other: HTTP it cannot parse (400) and a body over its ``body_size_limit`` (413).
 
     mitmproxy turns both into a ``ResponseProtocolError`` that each HTTP version renders as an
@@ -93,10 +107,26 @@ def install_core_refusals(body_limit: int) -> None:
     not arise. Neither refusal is recorded: the agent is not yet authenticated and nothing was read
     that could be sent. mitmproxy's own text (which may quote the client's bytes) stays out of the
     envelope. Pinned by tests/test_broker_e2e.py::test_requests_the_proxy_core_refuses_get_envelopes.
+
+    An HTTP/1 request body mitmproxy cannot read gets no answer of its own: a broken chunk only
+    closes the connection, and trailers after a chunked body raise ``NotImplementedError`` ("HTTP
+    trailers are not implemented yet"), which crashes the connection's handler and leaves the agent
+    waiting with the connection open. ``Http1Server.read_body`` is wrapped here so that both end in
+    an envelope (400) and a close, the way mitmproxy ends a request head it cannot parse. Pinned by
+    tests/test_broker_e2e.py::test_request_trailers_are_refused_over_either_http_version.
     """
+    from h11 import EndOfMessage, ProtocolError
     from mitmproxy.net.http.http1 import assemble_response
-    from mitmproxy.proxy.layers.http import ResponseData, ResponseEndOfMessage, ResponseHeaders, ResponseProtocolError
+    from mitmproxy.proxy import commands
+    from mitmproxy.proxy.layers.http import (
+        RequestProtocolError,
+        ResponseData,
+        ResponseEndOfMessage,
+        ResponseHeaders,
+        ResponseProtocolError,
+    )
     from mitmproxy.proxy.layers.http import _http1, _http2
+    from mitmproxy.proxy.layers.http._base import ReceiveHttp
 
     def refusal(status: int) -> http.Response | None:
         if status == 413:
@@ -128,6 +158,44 @@ def install_core_refusals(body_limit: int) -> None:
         response.headers["Connection"] = "close"  # mitmproxy closes the connection after it
         return assemble_response(response)
 
+    class Unreadable(Exception):
+        """The agent's request body cannot be read as sent; ``args[0]`` is the refusal."""
+
+    class AgentBodyReader:
+        """h11's body reader, except that a framing error or a trailer section ends the body
+        with :class:`Unreadable`, which mitmproxy's own ``read_body`` does not catch."""
+
+        def __init__(self, reader: Any):
+            self.reader = reader
+
+        def __call__(self, buf: Any) -> Any:
+            try:
+                event = self.reader(buf)
+            except ProtocolError:
+                raise Unreadable(refusal(400)) from None
+            if isinstance(event, EndOfMessage) and event.headers:
+                raise Unreadable(trailers_refused())
+            return event
+
+        def read_eof(self) -> Any:  # the agent hung up mid-body: mitmproxy's handling is right
+            return self.reader.read_eof()
+
+    read_body = getattr(_http1.Http1Server.read_body, "__wrapped__", _http1.Http1Server.read_body)
+
+    def http1_read_body(self: _http1.Http1Server, event: Any) -> Any:
+        if not isinstance(self.body_reader, AgentBodyReader):  # a new reader for each request
+            self.body_reader = AgentBodyReader(self.body_reader)
+        try:
+            return (yield from read_body(self, event))
+        except Unreadable as unreadable:
+            response: http.Response = unreadable.args[0]
+            if self.response is None and self.conn.state & ConnectionState.CAN_WRITE:
+                response.headers["Connection"] = "close"
+                yield commands.SendData(self.conn, assemble_response(response))
+            yield commands.CloseConnection(self.conn)
+            yield ReceiveHttp(RequestProtocolError(self.stream_id, "the request body could not be read as sent", 400))
+            self.state = self.done
+
     handle_event = getattr(_http2.Http2Server._handle_event, "__wrapped__", _http2.Http2Server._handle_event)
 
     def http2_handle_event(self: _http2.Http2Server, event: Any) -> Any:
@@ -146,8 +214,10 @@ def install_core_refusals(body_limit: int) -> None:
             yield from handle_event(self, answer)
 
     http1_error_response.__wrapped__ = make_error_response  # type: ignore[attr-defined]
+    http1_read_body.__wrapped__ = read_body  # type: ignore[attr-defined]
     http2_handle_event.__wrapped__ = handle_event  # type: ignore[attr-defined]
     _http1.make_error_response = http1_error_response
+    _http1.Http1Server.read_body = http1_read_body  # type: ignore[method-assign]
     _http2.Http2Server._handle_event = http2_handle_event  # type: ignore[method-assign]
 
 
@@ -302,6 +372,9 @@ class BrokerAddon:
                 flow.response = self.auth.refusal(flow)
                 return
             r = flow.request
+            if r.trailers:  # HTTP/2 (HTTP/1 trailers are refused in the proxy core)
+                flow.response = trailers_refused()
+                return
             req = AgentRequest(
                 agent=agent,
                 scheme=r.scheme,

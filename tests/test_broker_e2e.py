@@ -461,28 +461,74 @@ def test_no_canary_secret_anywhere(broker: BrokerProcess, upstream: HostileUpstr
             assert encoded not in text, f"{name} (basic-encoded) leaked into {where}"
 
 
-def _through_tunnel(broker: BrokerProcess, request: bytes) -> bytes:
-    """``request`` inside a CONNECT tunnel to api.payments.test:443, TLS to the broker's CA; the
-    answer up to the connection's close (both refusals close it)."""
+def _tunnel(broker: BrokerProcess, alpn: str) -> Any:
+    """A CONNECT tunnel to api.payments.test:443, TLS to the broker's CA with ``alpn``."""
     import ssl
 
     auth = b"Proxy-Authorization: Basic " + base64.b64encode(f"builder:{broker.agents['builder'].token}".encode())
-    with socket.create_connection(("127.0.0.1", broker.proxy_port), timeout=10) as sock:
-        sock.sendall(b"CONNECT api.payments.test:443 HTTP/1.1\r\nHost: api.payments.test:443\r\n" + auth + b"\r\n\r\n")
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = sock.recv(4096)
-            assert chunk, head
-            head += chunk
-        assert head.startswith(b"HTTP/1.1 200"), head
-        context = ssl.create_default_context(cafile=str(broker.ca_path))
-        context.set_alpn_protocols(["http/1.1"])
-        with context.wrap_socket(sock, server_hostname="api.payments.test") as tls:
-            tls.sendall(request)
-            data = b""
-            while chunk := tls.recv(65536):
-                data += chunk
+    sock = socket.create_connection(("127.0.0.1", broker.proxy_port), timeout=10)
+    sock.sendall(b"CONNECT api.payments.test:443 HTTP/1.1\r\nHost: api.payments.test:443\r\n" + auth + b"\r\n\r\n")
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(4096)
+        assert chunk, head
+        head += chunk
+    assert head.startswith(b"HTTP/1.1 200"), head
+    context = ssl.create_default_context(cafile=str(broker.ca_path))
+    context.set_alpn_protocols([alpn])
+    tls = context.wrap_socket(sock, server_hostname="api.payments.test")
+    assert tls.selected_alpn_protocol() == alpn
+    return tls
+
+
+def _through_tunnel(broker: BrokerProcess, request: bytes) -> bytes:
+    """``request`` inside a CONNECT tunnel to api.payments.test:443, TLS to the broker's CA; the
+    answer up to the connection's close (both refusals close it)."""
+    with _tunnel(broker, "http/1.1") as tls:
+        tls.sendall(request)
+        data = b""
+        while chunk := tls.recv(65536):
+            data += chunk
     return data
+
+
+def _h2_request(
+    broker: BrokerProcess, method: str, path: str, headers: list[tuple[str, str]] = [], body: bytes = b"",
+    trailers: list[tuple[str, str]] | None = None,
+) -> tuple[int, list[tuple[str, str]], bytes]:
+    """One HTTP/2 request in a tunnel to api.payments.test:443, from a raw h2 client: the fields
+    go out as given (curl and httpx send neither request trailers nor split cookie fields).
+    Returns the status, the response fields and the body."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    with _tunnel(broker, "h2") as tls:
+        conn.initiate_connection()
+        request = [(":method", method), (":scheme", "https"), (":authority", "api.payments.test"), (":path", path), *headers]
+        conn.send_headers(1, request, end_stream=not body and trailers is None)
+        if body:
+            conn.send_data(1, body, end_stream=trailers is None)
+        if trailers is not None:
+            conn.send_headers(1, trailers, end_stream=True)
+        tls.sendall(conn.data_to_send())
+        status, fields, data = 0, [], b""
+        while True:
+            chunk = tls.recv(65536)
+            assert chunk, "the broker closed the connection without ending the stream"
+            for event in conn.receive_data(chunk):
+                if isinstance(event, h2.events.ResponseReceived):
+                    fields = [(k, v) for k, v in event.headers if not k.startswith(":")]
+                    status = int(dict(event.headers)[":status"])
+                elif isinstance(event, h2.events.DataReceived):
+                    data += event.data
+                    conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                elif isinstance(event, h2.events.StreamReset):
+                    raise AssertionError(f"stream reset: {event.error_code!r}")
+                elif isinstance(event, h2.events.StreamEnded):
+                    return status, fields, data
+            tls.sendall(conn.data_to_send())
 
 
 @pytest.mark.parametrize(
@@ -490,6 +536,8 @@ def _through_tunnel(broker: BrokerProcess, request: bytes) -> bytes:
     [
         ("plain", b"THIS IS NOT HTTP\r\n\r\n", 400, "MALFORMED_REQUEST"),
         ("tunnel", b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nContent-Length: twelve\r\n\r\n", 400, "MALFORMED_REQUEST"),
+        # A chunked body whose framing breaks: mitmproxy only closes the connection, the broker answers first.
+        ("tunnel", b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n", 400, "MALFORMED_REQUEST"),
         # Past the largest max_body (10 MiB by default) plus 1 MiB: refused on its Content-Length,
         # before a byte of the body is read.
         ("tunnel", b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nContent-Length: 12582912\r\n\r\n", 413, "PAYLOAD_LIMIT"),
@@ -511,6 +559,53 @@ def test_requests_the_proxy_core_refuses_get_envelopes(broker: BrokerProcess, up
     assert (envelope["error"]["code"], envelope["error"]["outcome"], envelope["error"]["retry"]) == (code, "not_attempted", "after_correction")
     assert b"mitmproxy" not in body.lower() and b"twelve" not in body and b"NOT HTTP" not in body
     assert upstream.received == []
+
+
+CHUNKED = b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n"
+
+
+@pytest.mark.parametrize("version", ["http/1.1 tunnel", "http/1.1 plain", "h2"])
+def test_request_trailers_are_refused_over_either_http_version(broker: BrokerProcess, upstream: HostileUpstream, version):
+    """Trailer fields after a request body: the broker forwards none, so it refuses the request
+    whole rather than send it without them. Over HTTP/1 mitmproxy's connection handler used to
+    crash on them (NotImplementedError) and leave the agent waiting; over HTTP/2 they were dropped."""
+    with broker.operator() as api:
+        recorded = len(api.get("/v1/invocations", params={"limit": 500}).json()["items"])
+    started = time.monotonic()
+    if version == "h2":
+        status, fields, body = _h2_request(broker, "POST", "/h/ok", body=b"abc", trailers=[("x-checksum", "abc")])
+        assert ("content-type", "application/problem+json") in fields
+    else:
+        if version == "http/1.1 tunnel":
+            answer = _through_tunnel(broker, CHUNKED + b"X-Checksum: abc\r\n\r\n")
+        else:
+            auth = b"Proxy-Authorization: " + broker.agents["builder"].basic.encode() + b"\r\n"
+            request = CHUNKED.replace(b"POST /h/ok", b"POST http://plain.example.test/h/ok").replace(
+                b"Host: api.payments.test\r\n", b"Host: plain.example.test\r\n" + auth)
+            answer = _raw(broker.proxy_port, request + b"X-Checksum: abc\r\n\r\n")
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400"), answer[:300]
+        assert b"content-type: application/problem+json" in head.lower() and b"connection: close" in head.lower()
+        status = 400
+    assert time.monotonic() - started < 5, "the answer must come at once, not at a timeout"
+    envelope = check_envelope(body)
+    SEEN.append(json.dumps(envelope))
+    assert status == 400 and envelope["invocation_id"] is None
+    assert (envelope["error"]["code"], envelope["error"]["outcome"], envelope["error"]["retry"]) == ("MALFORMED_REQUEST", "not_attempted", "after_correction")
+    assert "trailer" in envelope["error"]["message"] and "abc" not in envelope["error"]["message"]
+    assert upstream.received == []
+    assert "mitmproxy has crashed" not in broker.logs() and "Traceback" not in broker.logs()
+    with broker.operator() as api:
+        assert len(api.get("/v1/invocations", params={"limit": 500}).json()["items"]) == recorded, "nothing is recorded"
+
+    # The same request without trailers is forwarded, body and all.
+    if version == "h2":
+        status, _, body = _h2_request(broker, "POST", "/h/ok", body=b"abc")
+    else:
+        status = int(_through_tunnel(broker, CHUNKED.replace(b"chunked\r\n", b"chunked\r\nConnection: close\r\n") + b"\r\n").split(b" ", 2)[1])
+    assert status == 200
+    [seen] = upstream.received
+    assert seen.body == b"abc" and seen.header("X-Checksum") is None
 
 
 def test_debug_logging_logs_no_header_an_agent_sends(make_broker, upstream: HostileUpstream):
