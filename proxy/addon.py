@@ -53,6 +53,29 @@ def _reply_to_response(reply: Reply) -> http.Response:
     )
 
 
+def agent_fields(request: http.Request) -> list[tuple[str, str]]:
+    """The request's header fields, in order, as the broker will send them over HTTP/1.1.
+
+    An HTTP/2 or HTTP/3 client may split Cookie into one field per cookie (RFC 9113 8.2.3,
+    RFC 9114 4.2.1); before the request goes on over HTTP/1.1 they must be joined with "; " into
+    one field (RFC 6265 5.4: one Cookie header), which takes the place of the first. Every other
+    field keeps its order and repeats. The broker (its checks, the fingerprint, the upstream) sees
+    only the joined form, so a request is the same request whichever way the agent split its cookies.
+    """
+    fields = [(k, v) for k, v in request.headers.items(multi=True)]
+    cookies = [v for k, v in fields if k.lower() == "cookie"]
+    if len(cookies) < 2 or not (request.is_http2 or request.is_http3):
+        return fields
+    joined: list[tuple[str, str]] = []
+    for name, value in fields:
+        if name.lower() != "cookie":
+            joined.append((name, value))
+        elif cookies:
+            joined.append((name, "; ".join(cookies)))
+            cookies = []
+    return joined
+
+
 def _refusal(status: int, code: Code, message: str, extra_headers: list[tuple[str, str]] | None = None) -> http.Response:
     body = envelope(None, code, Phase.VALIDATION, Outcome.NOT_ATTEMPTED, Retry.AFTER_CORRECTION, message)
     headers = [("Content-Type", MEDIA_TYPE), ("Affidavit-Code", code.value), ("Affidavit-Outcome", Outcome.NOT_ATTEMPTED.value),
@@ -382,7 +405,7 @@ class BrokerAddon:
                 port=r.port,
                 method=r.method,
                 path=r.path,
-                headers=[(k, v) for k, v in r.headers.items(multi=True)],
+                headers=agent_fields(r),
                 body=r.raw_content or b"",
             )
             self._live[flow.id] = req

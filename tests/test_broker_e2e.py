@@ -608,6 +608,20 @@ def test_request_trailers_are_refused_over_either_http_version(broker: BrokerPro
     assert seen.body == b"abc" and seen.header("X-Checksum") is None
 
 
+def test_http2_cookie_fields_reach_an_http1_upstream_as_one_cookie_line(broker: BrokerProcess, upstream: HostileUpstream):
+    """An HTTP/2 agent may split Cookie into one field per cookie; over HTTP/1.1 they must be one
+    line joined with "; " (RFC 9113 8.2.3), or an upstream that reads one Cookie line loses
+    cookies. Other repeated fields keep their order and number."""
+    status, _, _ = _h2_request(broker, "GET", "/h/ok", headers=[
+        ("cookie", "session=abc"), ("x-tag", "one"), ("cookie", "csrf=xyz"), ("x-tag", "two"), ("cookie", "theme=dark"),
+    ])
+    assert status == 200
+    [seen] = upstream.received
+    assert [(k.lower(), v) for k, v in seen.headers if k.lower() in ("cookie", "x-tag")] == [
+        ("cookie", "session=abc; csrf=xyz; theme=dark"), ("x-tag", "one"), ("x-tag", "two"),
+    ]
+
+
 def test_debug_logging_logs_no_header_an_agent_sends(make_broker, upstream: HostileUpstream):
     """At level debug, libraries' debug output (hpack decodes every HTTP/2 header) would log the
     agent's own tokens and cookies: only the broker's loggers follow the level."""

@@ -183,6 +183,25 @@ def test_extra_headers_join_the_operation_case_insensitively():
     assert fp(headers=[*HEADERS, ("STRIPE-VERSION", "2024-06-20")], extra=["Stripe-Version"]) == fp(headers=with_version, extra=["stripe-version"])
 
 
+def test_cookies_split_over_http2_are_the_request_one_cookie_line_makes():
+    """The adapter joins an HTTP/2 agent's Cookie fields before the broker sees the request, so the
+    fingerprint (were Cookie ever one of its headers) cannot tell the two forms apart; Cookie is
+    not an operation header by default, and neither form changes the fingerprint."""
+    from mitmproxy.test import tutils
+
+    from proxy.addon import agent_fields
+
+    split = tutils.treq(http_version=b"HTTP/2.0", headers=((b"cookie", b"a=1"), (b"accept", b"*/*"), (b"cookie", b"b=2")))
+    line = tutils.treq(http_version=b"HTTP/1.1", headers=((b"Cookie", b"a=1; b=2"), (b"Accept", b"*/*")))
+    assert agent_fields(split) == [("cookie", "a=1; b=2"), ("accept", "*/*")]
+    assert agent_fields(line) == [("Cookie", "a=1; b=2"), ("Accept", "*/*")]
+    assert fp(headers=agent_fields(split), extra=["cookie"]) == fp(headers=agent_fields(line), extra=["cookie"])
+    assert fp(headers=agent_fields(split)) == fp(headers=agent_fields(line)) == fp(headers=[])
+    # HTTP/1.1 fields pass as sent; only HTTP/2 (and /3) Cookie fields are joined.
+    two_lines = tutils.treq(http_version=b"HTTP/1.1", headers=((b"Cookie", b"a=1"), (b"Cookie", b"b=2")))
+    assert agent_fields(two_lines) == [("Cookie", "a=1"), ("Cookie", "b=2")]
+
+
 # -- approvals and configuration digests -----------------------------------------------------------
 
 
