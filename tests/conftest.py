@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -19,6 +20,8 @@ from tests.support.broker import Agent, BrokerProcess, free_port
 from tests.support.canaries import CANARIES
 from tests.support.certs import TestPKI
 from tests.support.hostile import HostileUpstream
+from sqlalchemy.engine import make_url
+
 from tests.support.pg import (
     ThrowawayCluster,
     drop_stale_test_databases,
@@ -57,15 +60,52 @@ def pg_admin_url() -> str:
     return url
 
 
+@pytest.fixture(scope="session")
+def pg_template(pg_admin_url: str) -> Iterator[str]:
+    """The name of a PostgreSQL database at the current schema, migrated once per worker: a
+    database that must start migrated is a copy of it (``CREATE DATABASE ... TEMPLATE``), the
+    same tables, triggers, functions and views as an upgrade of an empty one, without running
+    the nine migrations (and, for a broker, the ``affidavit db upgrade`` process) every time."""
+    from proxy.store import migrate
+
+    url, drop = fresh_database(pg_admin_url)
+    migrate.upgrade(url)
+    yield make_url(url).database
+    drop()
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite journal at the current schema, migrated once per worker, copied for every SQLite
+    database that must start migrated (the migrations' many commits each wait for the disk)."""
+    from proxy.store import migrate
+
+    path = tmp_path_factory.mktemp("sqlite-template") / "journal.db"
+    migrate.upgrade(f"sqlite+aiosqlite:///{path}")
+    leftovers = [p.name for p in path.parent.iterdir() if p != path]
+    assert not leftovers, f"the migrated journal must be one closed file to be copied: {leftovers}"
+    return path
+
+
 def database_url(
-    dialect: str, workdir: Path, request: pytest.FixtureRequest, cleanup: list[Callable[[], None]] | None = None
+    dialect: str,
+    workdir: Path,
+    request: pytest.FixtureRequest,
+    cleanup: list[Callable[[], None]] | None = None,
+    *,
+    migrated: bool = False,
 ) -> str:
-    """A fresh, empty database of ``dialect`` that is dropped when the test (or module) ends, or
-    by whoever holds ``cleanup`` (when brokers on it must stop first)."""
+    """A fresh database of ``dialect`` that is dropped when the test (or module) ends, or by
+    whoever holds ``cleanup`` (when brokers on it must stop first). Empty, or with ``migrated``
+    at the current schema (a copy of a migrated template: :func:`pg_template`,
+    :func:`sqlite_template`)."""
     if dialect == "sqlite":
-        return f"sqlite+aiosqlite:///{workdir / 'journal.db'}"
+        path = workdir / "journal.db"
+        if migrated:
+            shutil.copyfile(request.getfixturevalue("sqlite_template"), path)
+        return f"sqlite+aiosqlite:///{path}"
     admin = request.getfixturevalue("pg_admin_url")
-    url, drop = fresh_database(admin)
+    url, drop = fresh_database(admin, template=request.getfixturevalue("pg_template") if migrated else None)
     if cleanup is not None:
         cleanup.append(drop)
     else:
@@ -76,11 +116,7 @@ def database_url(
 @pytest.fixture(params=DIALECTS)
 def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh database per dialect, migrated to the current schema."""
-    from proxy.store import migrate
-
-    url = database_url(request.param, tmp_path, request)
-    migrate.upgrade(url)
-    return url
+    return database_url(request.param, tmp_path, request, migrated=True)
 
 
 def standard_routes(up: HostileUpstream) -> list[dict[str, Any]]:
@@ -176,9 +212,13 @@ def make_broker(tmp_path: Path, pki: TestPKI, upstream: HostileUpstream, request
         ``db_url`` puts it on a database the test made (through a relay, a throwaway cluster)."""
         workdir = tmp_path / f"broker{len(started)}"
         workdir.mkdir()
+        # A database made here starts at the current schema (a copy of a migrated template), so
+        # the broker needs no `affidavit db upgrade` first; one the test made (``db_url``) may not.
+        migrated = db_url is None and (like is None or like.migrated)
         if db_url is None:
-            db_url = like.database_url if like is not None else database_url(dialect, workdir, request, drops)
-        broker = new_broker(workdir, db_url, pki, routes or standard_routes(upstream), like=like, env=env, **sections)
+            db_url = like.database_url if like is not None else database_url(dialect, workdir, request, drops, migrated=True)
+        broker = new_broker(workdir, db_url, pki, routes or standard_routes(upstream), like=like, env=env,
+                            migrated=migrated, **sections)
         started.append(broker)
         return broker.start() if start else broker
 
@@ -199,9 +239,11 @@ def new_broker(
     *,
     like: BrokerProcess | None = None,
     env: dict[str, str] | None = None,
+    migrated: bool = False,
     **sections: Any,
 ) -> BrokerProcess:
-    """A broker process (not started). ``like``: share that broker's tokens (a replica)."""
+    """A broker process (not started). ``like``: share that broker's tokens (a replica);
+    ``migrated``: the database is at the current schema already (no ``affidavit db upgrade``)."""
     if like is not None:
         agents, operator = like.agents, like.operator_token
     else:
@@ -215,7 +257,8 @@ def new_broker(
         **CANARIES,
         **extra_env,
     }
-    return BrokerProcess(workdir, make_config(workdir, db_url, pki, routes, **sections), env, agents, operator)
+    return BrokerProcess(workdir, make_config(workdir, db_url, pki, routes, **sections), env, agents, operator,
+                         migrated=migrated)
 
 
 @pytest.fixture(scope="module", params=DIALECTS)
@@ -239,7 +282,8 @@ def module_broker(
     ``dialect`` (default: the fixture's parameter); ``prepare`` adjusts it before it starts."""
     dialect = dialect or request.param
     workdir = tmp_path_factory.mktemp(f"{name}-{dialect}")
-    process = new_broker(workdir, database_url(dialect, workdir, request), pki, routes, **sections)
+    process = new_broker(workdir, database_url(dialect, workdir, request, migrated=True), pki, routes, migrated=True,
+                         **sections)
     if prepare is not None:
         process = prepare(process)
     process.start()

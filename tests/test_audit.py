@@ -28,7 +28,6 @@ from proxy.audit import Break, Damage, checkpoint_row
 from proxy.contract import EventKind
 from proxy.crypto import KeyRing, payload_codec
 from proxy.invocation_log import InvocationLog, new_invocation_id
-from proxy.store import migrate
 from proxy.store.journal import GENESIS, EventRow, Journal, Write, chain_hash, make_engine, on_engine
 from proxy.store.schema import events
 from proxy.store.vault_schema import chain_checkpoints, vault_secrets
@@ -75,8 +74,7 @@ async def write_journal(url: str) -> None:
 
 @pytest.fixture(params=DIALECTS)
 def journal(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    url = database_url(request.param, tmp_path, request)
-    migrate.upgrade(url)
+    url = database_url(request.param, tmp_path, request, migrated=True)
     asyncio.run(write_journal(url))
     return url
 

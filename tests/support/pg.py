@@ -213,21 +213,35 @@ async def _drop_database(admin_url: str, name: str) -> None:
         await conn.close(timeout=5)
 
 
-def fresh_database(admin_url: str, prefix: str = "affidavit_test") -> tuple[str, Callable[[], None]]:
+def fresh_database(admin_url: str, prefix: str = "affidavit_test", template: str | None = None) -> tuple[str, Callable[[], None]]:
     """Create a new, uniquely named database and return ``(url, drop)``.
 
     The name is ``{prefix}_{pid}_{8 hex}``: the pid lets
     :func:`drop_stale_test_databases` recognise databases orphaned by a crashed
     run, the random part keeps parallel fixtures apart. The URL keeps the admin
     URL's driver and credentials. ``drop()`` is idempotent.
+
+    ``template``: the name of a database on the same server to copy (``CREATE DATABASE ...
+    TEMPLATE``), say one already migrated; nobody may be connected to it meanwhile.
     """
     _check_prefix(prefix)
     name = f"{prefix}_{os.getpid()}_{secrets.token_hex(4)}"
+    statement = f"CREATE DATABASE {_quote_ident(name)}"
+    if template is not None:
+        statement += f" TEMPLATE {_quote_ident(template)}"
 
     async def create() -> None:
         conn = await asyncpg.connect(**connect_kwargs(admin_url), timeout=10)
         try:
-            await conn.execute(f"CREATE DATABASE {_quote_ident(name)}")
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    await conn.execute(statement)
+                    return
+                except asyncpg.ObjectInUseError:  # the template's last user is still leaving
+                    if template is None or time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.05)
         finally:
             await conn.close(timeout=5)
 
