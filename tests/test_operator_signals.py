@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import make_url
 
 from proxy.contract import Code, Outcome, Phase
-from tests.support.broker import AFFIDAVIT, BrokerProcess, free_port
+from tests.support.broker import AFFIDAVIT, BROKER_COMMAND, BrokerProcess, free_port
 from tests.support.canaries import CANARIES
 from tests.support.envelopes import check_envelope
 from tests.support.hostile import HostileUpstream
@@ -465,6 +465,9 @@ def test_run_example_in_an_empty_directory(example_dir: Path, ports: str):
         proc = subprocess.Popen([AFFIDAVIT, "run", "--example"], cwd=example_dir, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
     try:
         printed = wait_for_text(out, "export AFFIDAVIT_API_URL=", proc, 60, err)
+        # The command re-executed itself (same pid) as the one the test brokers start with.
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+        assert cmdline == [*BROKER_COMMAND, "run", "--example"], cmdline
         lines = printed.splitlines()
         assert "affidavit: wrote an example configuration to affidavit.toml (tokens in .affidavit/)" in lines
         assert f"affidavit: proxy listening on {proxy_listen}, side API on http://{api_listen}" in lines
