@@ -44,6 +44,7 @@ import platform  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
+import struct  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -124,6 +125,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a second affidavit binary (say, an older checkout's venv) run as extra targets "
         "named <target>@base in the same interleaved rounds, to compare two builds without drift",
     )
+    p.add_argument(
+        "--cpu-idle-poll",
+        action="store_true",
+        help="hold /dev/cpu_dma_latency at 0 for the run (needs root): idle CPUs poll instead of halting, "
+        "so waking a process costs no halt exit; every target runs under the same setting",
+    )
     p.add_argument("--results-dir", type=Path, default=HERE / "results", help="[bench/results]")
     p.add_argument("--keep-tmp", action="store_true", help="keep the temp dir (configs, logs, sqlite db)")
     a = p.parse_args(argv)
@@ -154,6 +161,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.workers < 2 or a.api_ids < 1:
         p.error("--workers must be >= 2 (1 is the plain affidavit target) and --api-ids >= 1")
     return a
+
+
+def _hold_cpu_latency_at_zero() -> int:
+    """Ask the kernel's PM QoS for zero wake-up latency while the returned descriptor stays open
+    (until the process exits): the cpuidle governor then keeps idle CPUs polling. On a virtual
+    machine whose idle CPUs halt (this one: `haltpoll` with no guest polling), every wake-up of a
+    process on an idle CPU otherwise costs an exit to the host, and at concurrency 1 a request
+    crosses processes several times (the broker's two commits add four crossings)."""
+    try:
+        fd = os.open("/dev/cpu_dma_latency", os.O_WRONLY)
+        os.write(fd, struct.pack("i", 0))
+    except OSError as exc:
+        raise SystemExit(f"--cpu-idle-poll: cannot hold /dev/cpu_dma_latency at 0 ({exc.strerror}); run as root") from None
+    return fd
 
 
 # -- cleanup -----------------------------------------------------------------------------------
@@ -671,14 +692,17 @@ def print_rows(rows: list[dict[str, Any]], cols: list[Column]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    idle_poll = _hold_cpu_latency_at_zero() if args.cpu_idle_poll else None
     started = dt.datetime.now(dt.UTC)
     mitmdump = services.find_tool("mitmdump", args.mitmdump)
     affidavit = services.find_tool("affidavit", args.affidavit)
     meta = versions(args, mitmdump, affidavit)
+    meta["cpu_idle_poll"] = idle_poll is not None
     print(
         f"affidavit bench: python {meta['python']}, mitmproxy {meta['mitmproxy']}, nproc {meta['nproc']}, "
         f"affidavit {meta['affidavit']} (commit {meta['git_commit'] or '-'}{'+dirty' if meta['git_dirty'] else ''}, "
         f"source {meta['proxy_source_sha256']}), load {meta['loadavg_at_start'][0]:.2f}"
+        + (", idle CPUs poll (--cpu-idle-poll)" if idle_poll is not None else "")
     )
     what = (
         f"side API: GET /v1/invocations/{{id}}/result over {args.api_ids} recorded ids"
