@@ -318,6 +318,37 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(line)
 
 
+# The modules that take longest (brokers, CLI processes; measured on two cores), longest first.
+# The parallel workers start on these and end on the quick unit-test modules, instead of one
+# worker finishing test_workers.py (the last file by name) alone while the others idle. Modules
+# not named here run after them, in their usual order; a module's own tests keep theirs.
+LONGEST_FIRST = [
+    "test_crash.py",
+    "test_config.py",
+    "test_vault.py",
+    "test_audit.py",
+    "test_human_control_branches.py",
+    "test_operator_signals.py",
+    "test_workers.py",
+    "test_broker_e2e.py",
+    "test_human_control.py",
+    "test_evidence_and_views.py",
+    "test_retries.py",
+    "test_sqlite_writer.py",
+    "test_encryption_e2e.py",
+    "test_deploy.py",
+    "test_hostile_contract.py",
+    "test_routing_and_keys.py",
+    "test_agents_clients.py",
+]
+
+
+@pytest.hookimpl(trylast=True)  # after pytest grouped the tests by their fixtures' parameters
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: modules stay whole
+
+
 _OWN_CLUSTER: list[ThrowawayCluster] = []
 
 
