@@ -461,30 +461,10 @@ def test_no_canary_secret_anywhere(broker: BrokerProcess, upstream: HostileUpstr
             assert encoded not in text, f"{name} (basic-encoded) leaked into {where}"
 
 
-def _tunnel(broker: BrokerProcess, alpn: str) -> Any:
-    """A CONNECT tunnel to api.payments.test:443, TLS to the broker's CA with ``alpn``."""
-    import ssl
-
-    auth = b"Proxy-Authorization: Basic " + base64.b64encode(f"builder:{broker.agents['builder'].token}".encode())
-    sock = socket.create_connection(("127.0.0.1", broker.proxy_port), timeout=10)
-    sock.sendall(b"CONNECT api.payments.test:443 HTTP/1.1\r\nHost: api.payments.test:443\r\n" + auth + b"\r\n\r\n")
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = sock.recv(4096)
-        assert chunk, head
-        head += chunk
-    assert head.startswith(b"HTTP/1.1 200"), head
-    context = ssl.create_default_context(cafile=str(broker.ca_path))
-    context.set_alpn_protocols([alpn])
-    tls = context.wrap_socket(sock, server_hostname="api.payments.test")
-    assert tls.selected_alpn_protocol() == alpn
-    return tls
-
-
 def _through_tunnel(broker: BrokerProcess, request: bytes) -> bytes:
     """``request`` inside a CONNECT tunnel to api.payments.test:443, TLS to the broker's CA; the
     answer up to the connection's close (both refusals close it)."""
-    with _tunnel(broker, "http/1.1") as tls:
+    with broker.tunnel("api.payments.test") as tls:
         tls.sendall(request)
         data = b""
         while chunk := tls.recv(65536):
@@ -504,7 +484,7 @@ def _h2_request(
     import h2.events
 
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
-    with _tunnel(broker, "h2") as tls:
+    with broker.tunnel("api.payments.test", alpn="h2") as tls:
         conn.initiate_connection()
         request = [(":method", method), (":scheme", "https"), (":authority", "api.payments.test"), (":path", path), *headers]
         conn.send_headers(1, request, end_stream=not body and trailers is None)

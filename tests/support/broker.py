@@ -220,6 +220,25 @@ class BrokerProcess:
     def operator(self) -> httpx.Client:
         return self.api(self.operator_token)
 
+    def tunnel(self, host: str, port: int = 443, alpn: str = "http/1.1", agent: str = "builder") -> ssl.SSLSocket:
+        """A raw agent's CONNECT tunnel to ``host:port`` with ``agent``'s credentials, then TLS
+        trusting the broker's CA and offering ``alpn`` only (which the broker must pick)."""
+        authority = f"{host}:{port}"
+        basic = base64.b64encode(f"{agent}:{self.agents[agent].token}".encode()).decode()
+        sock = socket.create_connection(("127.0.0.1", self.proxy_port), timeout=10)
+        sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\nProxy-Authorization: Basic {basic}\r\n\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(4096)
+            assert chunk, head
+            head += chunk
+        assert head.startswith(b"HTTP/1.1 200"), head
+        context = ssl.create_default_context(cafile=str(self.ca_path))
+        context.set_alpn_protocols([alpn])
+        tls = context.wrap_socket(sock, server_hostname=host)
+        assert tls.selected_alpn_protocol() == alpn
+        return tls
+
     def invocation(self, invocation_id: str, token: str | None = None) -> dict[str, Any]:
         with self.api(token) as api:
             response = api.get(f"/v1/invocations/{invocation_id}")

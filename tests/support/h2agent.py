@@ -7,9 +7,6 @@ broker's CA, ALPN ``h2``. The frames come from the ``h2`` library, which mitmpro
 
 from __future__ import annotations
 
-import base64
-import socket
-import ssl
 import time
 from typing import Any
 
@@ -24,21 +21,7 @@ from .broker import BrokerProcess
 class H2Agent:
     def __init__(self, broker: BrokerProcess, host: str, port: int = 443, agent: str = "builder") -> None:
         self.authority = f"{host}:{port}"
-        token = broker.agents[agent].token
-        sock = socket.create_connection(("127.0.0.1", broker.proxy_port), timeout=10)
-        basic = base64.b64encode(f"{agent}:{token}".encode()).decode()
-        sock.sendall(f"CONNECT {self.authority} HTTP/1.1\r\nHost: {self.authority}\r\n"
-                     f"Proxy-Authorization: Basic {basic}\r\n\r\n".encode())
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = sock.recv(4096)
-            assert chunk, head
-            head += chunk
-        assert head.startswith(b"HTTP/1.1 200"), head
-        context = ssl.create_default_context(cafile=str(broker.ca_path))
-        context.set_alpn_protocols(["h2"])
-        self.sock = context.wrap_socket(sock, server_hostname=host)
-        assert self.sock.selected_alpn_protocol() == "h2"
+        self.sock = broker.tunnel(host, port, alpn="h2", agent=agent)
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
         self.conn.initiate_connection()
         self._flush()
