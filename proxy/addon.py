@@ -24,6 +24,7 @@ from .broker import AgentRequest, Broker, Reply, internal_error, should_retry
 from .contract import CallerDisposition, Code, Outcome, Phase, Retry
 from .envelope import MEDIA_TYPE, encode, envelope
 from .failpoints import failpoint_now
+from .upstream import HOP_BY_HOP, connection_options
 
 log = logging.getLogger("affidavit.addon")
 
@@ -61,8 +62,16 @@ def agent_fields(request: http.Request) -> list[tuple[str, str]]:
     one field (RFC 6265 5.4: one Cookie header), which takes the place of the first. Every other
     field keeps its order and repeats. The broker (its checks, the fingerprint, the upstream) sees
     only the joined form, so a request is the same request whichever way the agent split its cookies.
+
+    Fields the agent's ``Connection`` header names are options of the agent's hop (RFC 9110
+    7.6.1): they are left out here, so that neither the checks nor the fingerprint see a field that
+    is not sent. The fixed hop-by-hop fields stay visible (``Upgrade`` tells a WebSocket
+    handshake); the upstream client never sends them.
     """
     fields = [(k, v) for k, v in request.headers.items(multi=True)]
+    hop_only = connection_options(fields) - HOP_BY_HOP
+    if hop_only:
+        fields = [(k, v) for k, v in fields if k.lower() not in hop_only]
     cookies = [v for k, v in fields if k.lower() == "cookie"]
     if len(cookies) < 2 or not (request.is_http2 or request.is_http3):
         return fields

@@ -78,6 +78,7 @@ from .upstream import (
     Upstream,
     UpstreamRequest,
     UpstreamResponse,
+    end_to_end,
 )
 
 log = logging.getLogger("affidavit.broker")
@@ -463,6 +464,13 @@ class Broker:
         if isinstance(matched, Refusal):
             return matched.code, matched.message
         route = matched
+        if _asks_for_websocket(req):
+            return (
+                Code.UNSUPPORTED_ACTION,
+                f"The request asks to open a WebSocket (Upgrade: websocket) through route '{route.name}'. The broker "
+                "relays HTTP requests and their responses, one recorded exchange each, and does not relay WebSocket "
+                "connections. Nothing was sent. Use the service's HTTP API instead.",
+            )
         limit = int(route.max_body if route.max_body is not None else self.settings.proxy.max_body)
         if len(req.body) > limit:
             return (
@@ -1271,6 +1279,18 @@ async def _settled_or_released(
             timer.cancel()
 
 
+def _asks_for_websocket(req: AgentRequest) -> bool:
+    """An HTTP/1.1 WebSocket opening handshake (RFC 6455 4.1). Other upgrade offers (``h2c``,
+    say) are dropped with the other hop-by-hop fields and the request goes on as HTTP/1.1; a
+    WebSocket handshake without its ``Upgrade`` would reach the service as a plain GET."""
+    return any(
+        token.strip().lower() == "websocket"
+        for name, value in req.headers
+        if name.lower() == "upgrade"
+        for token in value.split(",")
+    )
+
+
 def internal_error(message: str) -> Reply:
     """The answer to a bug: HTTP 500, ``REMOTE_OUTCOME_UNKNOWN``, ``retry: reconcile``, naming no
     record and with no ``Affidavit-*`` header (it vouches for nothing). ``message`` says what the
@@ -1444,9 +1464,9 @@ def _redacted_text(text: str | None, needles: list[bytes]) -> str | None:
 
 
 def _passable(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """An upstream's headers minus hop-by-hop ones and any ``Affidavit-*`` header: only the broker
+    """An upstream's headers minus hop-by-hop ones (those its ``Connection`` names too) and any ``Affidavit-*`` header: only the broker
     speaks for the broker (a remote must not be able to forge an outcome or a replay mark)."""
-    return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP and not k.lower().startswith("affidavit-")]
+    return [(k, v) for k, v in end_to_end(headers) if not k.lower().startswith("affidavit-")]
 
 
 def _json_headers(headers: list[tuple[str, str]]) -> str:

@@ -49,6 +49,26 @@ HOP_BY_HOP = frozenset(
     }
 )
 
+
+def connection_options(headers: list[tuple[str, str]]) -> set[str]:
+    """The field names a ``Connection`` header lists: options of this hop only, which a proxy
+    removes before it forwards the message (RFC 9110 7.6.1), such as ``HTTP2-Settings`` beside
+    ``Upgrade: h2c``."""
+    return {
+        token.strip().lower()
+        for name, value in headers
+        if name.lower() == "connection"
+        for token in value.split(",")
+        if token.strip()
+    }
+
+
+def end_to_end(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``headers`` without the hop-by-hop ones: the fixed set and those ``Connection`` names."""
+    named = connection_options(headers)
+    return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP and k.lower() not in named]
+
+
 # OpenSSL verify codes (X509_V_ERR_*) that name the reason a certificate was refused.
 _EXPIRED = {10}  # CERT_HAS_EXPIRED
 _NOT_YET_VALID = {9}

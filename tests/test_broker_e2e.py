@@ -9,6 +9,7 @@ import base64
 import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -419,6 +420,56 @@ def test_an_echo_outside_the_body_and_header_values_is_redacted_too(broker: Brok
     committed = next(e for e in json.loads(record)["events"] if e["kind"] == "RESULT_COMMITTED")
     # The reason phrase is not part of the stored result; everything else was stored redacted.
     assert committed["data"].get("redacted") is (True if into != "reason" else None), committed
+
+
+def test_a_websocket_handshake_is_refused_before_anything_is_sent(broker: BrokerProcess, upstream: HostileUpstream):
+    """A WebSocket cannot be one recorded exchange. A real client (``websockets``, through the
+    broker's CONNECT tunnel) gets the envelope; the upstream sees nothing, not even the plain GET
+    the handshake would become once its hop-by-hop ``Upgrade`` is dropped."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    upstream.reset()
+    context = ssl.create_default_context(cafile=str(broker.ca_path))
+    with pytest.raises(InvalidStatus) as refused:
+        connect("wss://api.payments.test/h/ok", proxy=broker.proxy_url(), ssl=context, open_timeout=20)
+    response = refused.value.response
+    SEEN.append(bytes(response.body).decode(errors="replace"))
+    assert response.status_code == 405, response
+    assert response.headers["Content-Type"] == "application/problem+json"
+    body = check_envelope(bytes(response.body))
+    assert body["error"]["code"] == "UNSUPPORTED_ACTION" and body["error"]["outcome"] == "not_attempted"
+    assert "WebSocket" in body["error"]["message"] and "Nothing was sent" in body["error"]["message"]
+    assert upstream.received == []
+    record = broker.invocation(body["invocation_id"])
+    assert record["route"] == "payments.create" and record["code"] == "UNSUPPORTED_ACTION"
+    assert "DISPATCH_STARTED" not in [e["kind"] for e in record["events"]]
+
+    # An h2c upgrade offer (curl --http2 on http://) is no WebSocket: it goes on as HTTP/1.1.
+    auth = base64.b64encode(f"builder:{broker.agents['builder'].token}".encode())
+    answer = _raw(broker.proxy_port, b"GET http://plain.example.test/h/ok HTTP/1.1\r\nHost: plain.example.test\r\n"
+                  b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+                  b"Proxy-Authorization: Basic " + auth + b"\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+    [forwarded] = upstream.received
+    assert forwarded.header("Upgrade") is None and forwarded.header("HTTP2-Settings") is None
+
+
+def test_fields_a_connection_header_names_do_not_cross_the_broker(broker: BrokerProcess, upstream: HostileUpstream):
+    """RFC 9110 7.6.1: a proxy removes the fields ``Connection`` names, both ways. A field the
+    agent marks as its hop's only is not sent (nor fingerprinted); one the upstream marks so is
+    neither delivered nor stored with the result."""
+    upstream.reset()
+    with broker.client() as client:
+        r = _seen(client.get(f"{PAYMENTS}/h/status?code=200&hop=X-Upstream-Hop",
+                             headers={"Connection": "keep-alive, X-Agent-Hop", "X-Agent-Hop": "mine", "X-Kept": "yes"}))
+    assert r.status_code == 200, r.text
+    assert "x-upstream-hop" not in r.headers, r.headers
+    [forwarded] = upstream.received
+    assert forwarded.header("X-Agent-Hop") is None and forwarded.header("X-Kept") == "yes"
+    with broker.api() as api:
+        replayed = _seen(api.get(f"/v1/invocations/{r.headers['affidavit-invocation-id']}/result"))
+    assert replayed.status_code == 200 and "x-upstream-hop" not in replayed.headers, replayed.headers
 
 
 def test_a_204_is_delivered_without_the_upstreams_content_length(broker: BrokerProcess, upstream: HostileUpstream):

@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable
 import pytest
 
 from proxy.contract import Code
-from proxy.upstream import DispatchRefused, ExchangeFailed, SetupFailed, Upstream, UpstreamRequest, _connect_socket
+from proxy.upstream import DispatchRefused, ExchangeFailed, SetupFailed, Upstream, UpstreamRequest, _connect_socket, end_to_end
 from tests.support.certs import TestPKI
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
@@ -669,3 +669,11 @@ def test_a_complete_tls_response_stands_when_a_bad_record_follows_it_in_the_same
             assert (response.status, response.body) == (200, b"ok")
 
     run(main())
+
+
+def test_end_to_end_drops_the_fixed_hop_by_hop_fields_and_those_connection_names():
+    fields = [("Connection", "keep-alive, X-Hop ,  upgrade"), ("connection", "HTTP2-Settings"), ("Upgrade", "h2c"),
+              ("x-hop", "1"), ("HTTP2-Settings", "AAMA"), ("Keep-Alive", "timeout=5"), ("X-Kept", "a"), ("X-Kept", "b"),
+              ("X-Hopper", "not named")]
+    assert end_to_end(fields) == [("X-Kept", "a"), ("X-Kept", "b"), ("X-Hopper", "not named")]
+    assert end_to_end([("Accept", "*/*")]) == [("Accept", "*/*")]

@@ -589,13 +589,16 @@ class HostileUpstream:
 
     async def _b_status(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
         """Effect, then a complete ``?code=`` (200) response; ``?retry_after=``, ``?location=``, ``?job=``,
-        and ``?header=Name:Value`` for any extra response header."""
+        ``?header=Name:Value`` for any extra response header, ``?hop=Name`` for a header ``Name``
+        that the response's ``Connection`` header names (an option of that hop only)."""
         code = int(q.get("code", "200"))
         n = self._apply(entry)
         headers = [(h, q[p]) for p, h in (("retry_after", "Retry-After"), ("location", "Location")) if p in q]
         if "header" in q:
             name, _, value = q["header"].partition(":")
             headers.append((name, value))
+        if "hop" in q:
+            headers += [("Connection", q["hop"]), (q["hop"], "this hop only")]
         body = _json({"job_id": q["job"], "status": "pending"} if "job" in q else {"status": code, "effects": n})
         return await self._send(conn, entry, code, b"" if code in (204, 304) else body, headers)
 
