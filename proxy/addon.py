@@ -160,6 +160,17 @@ def install_core_refusals(body_limit: int) -> None:
     from mitmproxy.proxy.layers.http import _http1, _http2
     from mitmproxy.proxy.layers.http._base import ReceiveHttp
 
+    try:  # mitmproxy 12: a protocol error's code is an ErrorCode that knows its HTTP status
+        from mitmproxy.proxy.layers.http import ErrorCode
+
+        unreadable_request: Any = ErrorCode.REQUEST_VALIDATION_FAILED
+    except ImportError:  # mitmproxy 11: the code is the HTTP status itself
+        unreadable_request = 400
+
+    def status_of(code: Any) -> int | None:
+        to_status = getattr(code, "http_status_code", None)
+        return to_status() if to_status is not None else code
+
     def refusal(status: int) -> http.Response | None:
         if status == 413:
             response = _refusal(
@@ -225,7 +236,7 @@ def install_core_refusals(body_limit: int) -> None:
                 response.headers["Connection"] = "close"
                 yield commands.SendData(self.conn, assemble_response(response))
             yield commands.CloseConnection(self.conn)
-            yield ReceiveHttp(RequestProtocolError(self.stream_id, "the request body could not be read as sent", 400))
+            yield ReceiveHttp(RequestProtocolError(self.stream_id, "the request body could not be read as sent", unreadable_request))
             self.state = self.done
 
     handle_event = getattr(_http2.Http2Server._handle_event, "__wrapped__", _http2.Http2Server._handle_event)
@@ -235,7 +246,7 @@ def install_core_refusals(body_limit: int) -> None:
         if isinstance(event, ResponseProtocolError) and self.is_open_for_us(event.stream_id):
             stream = self.h2_conn.streams.get(event.stream_id)
             if stream is not None and not stream.state_machine.headers_sent:  # else mitmproxy resets the stream
-                response = refusal(event.code)
+                response = refusal(status_of(event.code))
         if response is None:
             return (yield from handle_event(self, event))
         for answer in (
