@@ -29,3 +29,12 @@ def test_every_doc_the_readme_links_exists():
     text = (ROOT / "README.md").read_text()
     for link in re.findall(r"\]\((docs/[^)]+)\)", text):
         assert (ROOT / link).is_file(), link
+
+
+def test_ci_runs_the_readme_mitmproxy_12_command_when_it_can():
+    """The same venv, install and test modules as the README's command for Python 3.12."""
+    text = (ROOT / "README.md").read_text()
+    [command] = re.findall(r"```sh\npython3\.12( -m venv[^\n]+)\n```", text)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f'"$next_python"{command}\n' in ci
+    assert "mitmproxy 12 line was NOT tested" in ci, "a machine without Python 3.12 says so"
