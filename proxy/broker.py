@@ -322,6 +322,10 @@ class _Exchange:
         """Steps (1)-(3) of contract section 6: the outcome, its hash, the stored result."""
         await failpoint("after_response_complete")
         stored_headers = [(k, v) for k, v in _passable(response.headers) if k.lower() not in _UNSTORED_HEADERS]
+        # A bodiless answer's length (a HEAD's, a 304's) is a fact about the representation; a
+        # replay of it through the proxy says the same (see _length_fields).
+        stored_headers += [(k, v) for k, v in _length_fields(response.status, response.framing, b"", response.headers)
+                           if response.framing == "none"]
         await self.prepare_body(response)
         stored_body, redacted, withheld = self.clean_body(response)
         stored_headers, headers_redacted = _redact_headers(_withheld_headers(stored_headers, withheld), self.needles)
@@ -745,8 +749,8 @@ class Broker:
             )
         self._spawn(note_replay(self.journal, row, "replay"))
         headers = [(k, v) for k, v in stored["headers"] if k.lower() not in HOP_BY_HOP]
+        headers += _length_fields(stored["status"], stored["framing"], stored["body"], stored["headers"])
         headers += [
-            ("Content-Length", str(len(stored["body"]))),
             (INVOCATION_HEADER, row["invocation_id"]),
             (OUTCOME_HEADER, record.outcome.value),
             (REPLAYED_HEADER, "true"),
@@ -1121,12 +1125,7 @@ class Broker:
         entry = exchange.entry
         body, _, withheld = exchange.clean_body(response)
         headers, _ = _redact_headers(_withheld_headers(_passable(response.headers), withheld), exchange.needles)
-        if response.framing != "none":
-            headers.append(("Content-Length", str(len(body))))
-        elif response.status != 204:
-            # A HEAD's or a 304's Content-Length describes the representation it did not send. A
-            # 204 has none (RFC 9110 8.6), and an HTTP/2 agent refuses the answer if it has one.
-            headers.extend((k, v) for k, v in response.headers if k.lower() == "content-length")
+        headers += _length_fields(response.status, response.framing, body, response.headers)
         headers.append((INVOCATION_HEADER, entry.invocation_id))
         headers.append((OUTCOME_HEADER, entry.record.outcome.value))
         if code is not None:
@@ -1467,6 +1466,20 @@ def _passable(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """An upstream's headers minus hop-by-hop ones (those its ``Connection`` names too) and any ``Affidavit-*`` header: only the broker
     speaks for the broker (a remote must not be able to forge an outcome or a replay mark)."""
     return [(k, v) for k, v in end_to_end(headers) if not k.lower().startswith("affidavit-")]
+
+
+def _length_fields(status: int, framing: str, body: bytes, upstream: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The ``Content-Length`` of an answer to the agent, live or replayed through the proxy.
+
+    A body is sent with its own length. A HEAD's or a 304's Content-Length describes the
+    representation it did not send: the upstream's is kept. A 204 has none (RFC 9110 8.6), and an
+    HTTP/2 agent refuses the answer if it has one.
+    """
+    if framing != "none":
+        return [("Content-Length", str(len(body)))]
+    if status == 204:
+        return []
+    return [(k, v) for k, v in upstream if k.lower() == "content-length"]
 
 
 def _json_headers(headers: list[tuple[str, str]]) -> str:

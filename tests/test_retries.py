@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import secrets
+import subprocess
 import threading
 import time
 from typing import Any, Iterator
@@ -42,6 +43,7 @@ def retry_routes(up: HostileUpstream) -> list[dict[str, Any]]:
         {"name": "put", "host": "put.example.test", "methods": ["PUT", "GET"], **base},
         {"name": "pay-tight", "host": "pay-tight.example.test", "methods": ["POST"], **base, "retry_budget": 1,
          "idempotency": {"header": "Idempotency-Key", "scope": "tight", "retention": "1h"}},
+        {"name": "bodiless", "host": "bodiless.example.test", "methods": ["HEAD", "DELETE"], **base},
     ]
 
 
@@ -81,6 +83,37 @@ def test_a_committed_result_is_replayed_from_the_journal(broker, upstream):
     assert record["replays"] == 1
     assert record["idempotency"]["key"] == k and record["idempotency"]["remote_contract"] == "configured"
     assert sent(upstream)[0].header("Idempotency-Key") == k
+
+
+def _curl_http2(broker: BrokerProcess, method: str, url: str, k: str) -> tuple[str, dict[str, str]]:
+    """An HTTP/2 agent (it refuses a 204 that carries Content-Length); its status and headers."""
+    done = subprocess.run(["curl", "-sS", "-D", "-", "-o", "/dev/null", "--http2", "--proxy", broker.proxy_url(),
+                           "--cacert", str(broker.ca_path), "--max-time", "20", "-H", f"Idempotency-Key: {k}",
+                           *(["--head"] if method == "HEAD" else ["-X", method]), url],
+                          capture_output=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    last = done.stdout.decode().strip().split("\r\n\r\n")[-1]  # after the CONNECT's answer
+    status, *fields = [line.strip() for line in last.split("\r\n")]
+    return status, {name.lower(): value.strip() for name, _, value in (f.partition(":") for f in fields)}
+
+
+def test_a_replay_frames_a_bodiless_answer_as_the_live_one_was(broker, upstream):
+    """A replayed HEAD keeps the length of the representation it describes; a replayed 204 has
+    no Content-Length, which an HTTP/2 agent would refuse as a protocol error."""
+    for method, url in (("HEAD", "https://bodiless.example.test/h/status?code=200"),
+                        ("DELETE", "https://bodiless.example.test/h/status?code=204")):
+        k = key()
+        status, live = _curl_http2(broker, method, url, k)
+        status_again, again = _curl_http2(broker, method, url, k)
+        assert status == status_again, (status, status_again)
+        assert "affidavit-replayed" not in live and again["affidavit-replayed"] == "true", again
+        assert again["affidavit-invocation-id"] == live["affidavit-invocation-id"]
+        if method == "HEAD":
+            assert status == "HTTP/2 200" and int(live["content-length"]) > 0, live
+            assert again["content-length"] == live["content-length"], (live, again)
+        else:
+            assert status == "HTTP/2 204" and "content-length" not in live and "content-length" not in again, again
+    assert [r.method for r in sent(upstream)][-2:] == ["HEAD", "DELETE"], "the repeats were replays"
 
 
 def test_the_same_key_with_a_different_body_is_refused_locally(broker, upstream):
