@@ -26,7 +26,7 @@ from tests.conftest import module_broker
 from tests.support.broker import BrokerProcess
 from tests.support.canaries import CANARIES
 from tests.support.certs import TestPKI
-from tests.support.fake_openai import COMPLETION_TEXT, FakeOpenAI
+from tests.support.fake_openai import COMPLETION_TEXT, STREAM_GAP, FakeOpenAI, stream_events
 from tests.support.hostile import HostileUpstream
 
 PAYMENTS = "https://api.payments.test/h/ok"  # route with an injected credential
@@ -234,6 +234,43 @@ def test_openai_sdk_gets_a_completion_with_a_key_it_never_held(broker: BrokerPro
     assert json.loads(seen.body)["messages"] == [{"role": "user", "content": "hi"}]
     assert broker.invocation(result["invocation_id"])["route"] == "openai"
     assert fresh.received == []
+
+
+STREAM_SNIPPET = """
+import json, sys, time, openai
+
+client = openai.OpenAI(base_url=sys.argv[1], api_key="affidavit-placeholder", max_retries=0)
+started = time.monotonic()
+raw = client.chat.completions.with_raw_response.create(
+    model="gpt-test", messages=[{"role": "user", "content": "hi"}], stream=True)
+arrivals, pieces = [], []
+for chunk in raw.parse():
+    arrivals.append(time.monotonic() - started)
+    if chunk.choices and chunk.choices[0].delta.content:
+        pieces.append(chunk.choices[0].delta.content)
+print(json.dumps({"text": "".join(pieces), "status": raw.status_code, "first": arrivals[0], "last": arrivals[-1],
+                  "invocation_id": raw.headers.get("affidavit-invocation-id"), "outcome": raw.headers.get("affidavit-outcome")}))
+"""
+
+
+def test_openai_sdk_streaming_gets_the_whole_stream_once_it_is_recorded(
+    broker: BrokerProcess, agent_env: dict[str, str], fresh: HostileUpstream, fake_openai: FakeOpenAI
+):
+    """``stream=True`` works through the broker, but not as a stream: the result is durable
+    before it is delivered (contract section 6), so the events arrive together once the upstream
+    has sent its last one, and the recorded result is the whole event stream."""
+    result = python(STREAM_SNIPPET, agent_env, OPENAI_BASE)
+    assert result["status"] == 200 and result["text"] == COMPLETION_TEXT, result
+    events = stream_events("gpt-test")
+    upstream_took = (len(events) - 1) * STREAM_GAP
+    assert result["first"] >= upstream_took, "nothing is delivered before the stream is complete and recorded"
+    assert result["last"] - result["first"] < upstream_took / 2, "the events are delivered together"
+    record = broker.invocation(result["invocation_id"])
+    assert record["outcome"] == "committed" and record["evidence"]["framing"] == "chunked", record["evidence"]
+    with broker.api() as api:
+        replayed = api.get(f"/v1/invocations/{result['invocation_id']}/result")
+    assert replayed.status_code == 200 and replayed.headers["content-type"] == "text/event-stream"
+    assert replayed.content == b"".join(events)
 
 
 PLACEHOLDER_SNIPPET = """

@@ -1,20 +1,26 @@
 """A minimal OpenAI-compatible chat completions server over TLS, for the agent SDK tests.
 
-It answers ``POST /v1/chat/completions`` with a valid completion and records every request it
-receives (headers included), so a test can check the credential the broker injected. The point is
-the real ``openai`` SDK talking through the broker, not a model: the completion is fixed.
+It answers ``POST /v1/chat/completions`` with a valid completion (with ``"stream": true``, as
+server-sent events in chunks some milliseconds apart, the way a model streams tokens) and records
+every request it receives (headers included), so a test can check the credential the broker
+injected. The point is the real ``openai`` SDK talking through the broker, not a model: the
+completion is fixed.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .certs import TestPKI
 
 COMPLETION_TEXT = "Affidavit fake completion."
+#: The streamed completion's pieces, one event each; together they are COMPLETION_TEXT.
+STREAM_PIECES = ["Affidavit", " fake", " completion", "."]
+STREAM_GAP = 0.05  # seconds between two events
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,18 @@ def completion(model: str) -> dict[str, object]:
     }
 
 
+def stream_events(model: str) -> list[bytes]:
+    """The server-sent events of a streamed completion, ``[DONE]`` last."""
+    def chunk(delta: dict[str, object], finish: str | None) -> dict[str, object]:
+        return {"id": "chatcmpl-affidavit-stream", "object": "chat.completion.chunk", "created": 1_700_000_000,
+                "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+
+    events = [chunk({"role": "assistant", "content": ""}, None)]
+    events += [chunk({"content": piece}, None) for piece in STREAM_PIECES]
+    events.append(chunk({}, "stop"))
+    return [b"data: " + json.dumps(e).encode() + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
+
+
 class FakeOpenAI:
     """``with FakeOpenAI(pki) as fake:`` serves on ``127.0.0.1:fake.port`` with the ``good`` cert."""
 
@@ -67,12 +85,26 @@ class FakeOpenAI:
                 owner._record(Seen("POST", self.path, list(self.headers.items()), body))
                 if self.path.rstrip("/") != "/v1/chat/completions":
                     return self._send(404, {"error": {"message": "not found", "type": "invalid_request_error"}})
-                model = json.loads(body or b"{}").get("model", "gpt-test")
+                asked = json.loads(body or b"{}")
+                model = asked.get("model", "gpt-test")
+                if asked.get("stream"):
+                    return self._stream(model)
                 self._send(200, completion(model))
 
             def do_GET(self) -> None:
                 owner._record(Seen("GET", self.path, list(self.headers.items()), b""))
                 self._send(404, {"error": {"message": "not found", "type": "invalid_request_error"}})
+
+            def _stream(self, model: str) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for event in stream_events(model):
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    self.wfile.flush()
+                    time.sleep(STREAM_GAP)
+                self.wfile.write(b"0\r\n\r\n")
 
             def _send(self, status: int, payload: dict[str, object]) -> None:
                 data = json.dumps(payload).encode()
