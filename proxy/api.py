@@ -313,7 +313,10 @@ def create_app(
         before: Annotated[str | None, Query(description="page: the last invocation_id of the previous page")] = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
     ) -> dict[str, Any]:
-        since = datetime.now(UTC) - timedelta(hours=since_hours) if since_hours else None
+        try:
+            since = datetime.now(UTC) - timedelta(hours=since_hours) if since_hours else None
+        except OverflowError:  # further back than year 1, where datetime ends: every invocation is newer
+            since = None
         rows = await queries.list_invocations(
             engine, agent=agent, outcome=outcome and outcome.value, phase=phase and phase.value, route=route,
             code=code and code.value, since=since, before=before, limit=limit,

@@ -371,6 +371,23 @@ def test_side_api_isolates_agents_and_hides_unknown_ids(broker: BrokerProcess, u
         assert _seen(api.get("/openapi.json")).status_code == 200
 
 
+def _no_traceback_since(broker: BrokerProcess, offset: int) -> None:
+    logged = broker.logs()[offset:]
+    assert "Traceback" not in logged, logged[-3000:]
+
+
+def test_a_since_hours_past_the_calendar_lists_everything(broker: BrokerProcess, upstream: HostileUpstream):
+    with broker.client() as client:
+        invocation_id = _seen(client.get(f"{PAYMENTS}/h/ok")).headers["affidavit-invocation-id"]
+    offset = len(broker.logs())
+    with broker.operator() as api:
+        for hours in ("1e8", "1e300", "inf"):  # further back than year 1, where datetime ends
+            listing = _seen(api.get("/v1/invocations", params={"since_hours": hours, "limit": 500}))
+            assert listing.status_code == 200, (hours, listing.text)
+            assert invocation_id in [item["invocation_id"] for item in listing.json()["items"]], hours
+    _no_traceback_since(broker, offset)
+
+
 @pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
 def test_dispatch_started_is_durable_before_the_first_request_byte(make_broker, upstream: HostileUpstream, dialect):
     broker = make_broker(dialect)
