@@ -157,7 +157,7 @@ def create_app(
         return who
 
     async def visible(invocation_id: str, who: Principal) -> dict[str, Any]:
-        row = await queries.invocation(engine, invocation_id)
+        row = await queries.invocation(engine, invocation_id) if _storable(invocation_id) else None
         if row is None or (not who.operator and row["agent"] != who.agent):
             raise ApiError(404, "Not Found", f"No invocation {invocation_id!r} is visible to this token.")
         return row
@@ -197,6 +197,8 @@ def create_app(
         responses=answers(401, 404, 409, 503, meaning={409: "No complete result exists; the body is the contract envelope"}),
     )
     async def get_result(invocation_id: str, who: Annotated[Principal, Depends(principal)]) -> Response:
+        if not _storable(invocation_id):
+            raise ApiError(404, "Not Found", f"No invocation {invocation_id!r} is visible to this token.")
         fast = await reader.fetch(invocation_id) if reader is not None else None
         if fast is not None and fast["stage"] != Stage.DELIVERY_FAILED.value:
             if not who.operator and fast["agent"] != who.agent:
@@ -306,11 +308,11 @@ def create_app(
         _who: Annotated[Principal, Depends(operator_only)],
         outcome: Annotated[Outcome | None, Query(description="an outcome; anything else is a 422")] = None,
         phase: Annotated[Phase | None, Query(description="a phase; anything else is a 422")] = None,
-        route: str | None = None,
+        route: Annotated[str | None, Query(pattern=_NO_NUL)] = None,
         code: Annotated[Code | None, Query(description="a code; anything else is a 422")] = None,
-        agent: str | None = None,
+        agent: Annotated[str | None, Query(pattern=_NO_NUL)] = None,
         since_hours: Annotated[float | None, Query(gt=0)] = None,
-        before: Annotated[str | None, Query(description="page: the last invocation_id of the previous page")] = None,
+        before: Annotated[str | None, Query(pattern=_NO_NUL, description="page: the last invocation_id of the previous page")] = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
     ) -> dict[str, Any]:
         try:
@@ -329,6 +331,17 @@ def create_app(
         return {"items": items, "next": items[-1]["invocation_id"] if len(items) == limit else None}
 
     return app
+
+
+#: A text filter may hold anything but NUL: no stored name or id holds one, and PostgreSQL refuses
+#: to compare one (a 500 instead of an answer).
+_NO_NUL = r"^[^\x00]*$"
+
+
+def _storable(invocation_id: str) -> bool:
+    """Whether an invocation could have this id: none holds a NUL (which PostgreSQL refuses even
+    to compare), so such an id is answered as unknown without asking the journal."""
+    return "\x00" not in invocation_id
 
 
 _DECIDED = frozenset({Outcome.COMMITTED.value, Outcome.REJECTED.value, Outcome.PARTIAL_EFFECT.value})

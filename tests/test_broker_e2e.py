@@ -388,6 +388,24 @@ def test_a_since_hours_past_the_calendar_lists_everything(broker: BrokerProcess,
     _no_traceback_since(broker, offset)
 
 
+def test_an_id_or_a_filter_holding_a_nul_is_unknown_or_malformed_never_a_500(broker: BrokerProcess, upstream: HostileUpstream):
+    """PostgreSQL refuses a NUL in a text parameter; no id, route or agent name can hold one."""
+    offset = len(broker.logs())
+    with broker.api() as api:
+        for path in ("/v1/invocations/act_x%00y", "/v1/invocations/act_x%00y/result"):
+            answer = _seen(api.get(path))
+            assert answer.status_code == 404, (path, answer.text)
+            assert answer.headers["content-type"] == "application/problem+json"
+    with broker.operator() as api:
+        assert _seen(api.post("/v1/invocations/%00/reconcile", json={"outcome": "committed"})).status_code == 404
+        assert _seen(api.post("/v1/approvals/%00", json={"decision": "deny"})).status_code == 404
+        for name in ("route", "agent", "before"):
+            answer = _seen(api.get("/v1/invocations", params={name: "a\x00b"}))
+            assert answer.status_code == 422, (name, answer.text)
+            assert answer.json()["detail"][0]["loc"] == ["query", name]
+    _no_traceback_since(broker, offset)
+
+
 @pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
 def test_dispatch_started_is_durable_before_the_first_request_byte(make_broker, upstream: HostileUpstream, dialect):
     broker = make_broker(dialect)
