@@ -7,12 +7,16 @@ exactly like an id that does not exist (404), so ids cannot be probed.
 
 import asyncio
 import hmac
+import json
 import logging
+import math
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -115,6 +119,12 @@ def create_app(
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
         return _problem(exc.status, exc.title, exc.detail, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _malformed(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own 422, except that a NaN or an Infinity in the body (Python's JSON reader takes
+        # them, JSON has no such numbers) is echoed as the text it was: encoding it failed the answer.
+        return JSONResponse({"detail": _finite(jsonable_encoder(exc.errors()))}, status_code=422)
 
     async def _journal_error(_request: Request, exc: Exception) -> JSONResponse:
         if not queries.unreachable(exc):  # it answered: a bug or a damaged schema, which waiting will not cure
@@ -336,6 +346,17 @@ def create_app(
 #: A text filter may hold anything but NUL: no stored name or id holds one, and PostgreSQL refuses
 #: to compare one (a 500 instead of an answer).
 _NO_NUL = r"^[^\x00]*$"
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN and infinity replaced by its JavaScript spelling, as text."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return json.dumps(value)  # 'NaN', 'Infinity', '-Infinity'
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _storable(invocation_id: str) -> bool:

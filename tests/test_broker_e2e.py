@@ -406,6 +406,21 @@ def test_an_id_or_a_filter_holding_a_nul_is_unknown_or_malformed_never_a_500(bro
     _no_traceback_since(broker, offset)
 
 
+def test_a_nan_or_infinity_in_a_body_gets_a_422(broker: BrokerProcess, upstream: HostileUpstream):
+    """Python's JSON reader takes NaN and Infinity, which JSON has not: echoing one in the 422 must not fail it."""
+    offset = len(broker.logs())
+    headers = {"Content-Type": "application/json"}
+    with broker.operator() as api:
+        for path, body in (("/v1/invocations/act_nope/reconcile", b'{"outcome": "committed", "note": NaN}'),
+                           ("/v1/approvals/act_nope", b'{"decision": Infinity}'),
+                           ("/v1/approvals/act_nope", b'{"decision": "deny", "note": -Infinity}')):
+            answer = _seen(api.post(path, content=body, headers=headers))
+            assert answer.status_code == 422, (path, answer.text)
+            [problem] = answer.json()["detail"]
+            assert problem["loc"][0] == "body" and isinstance(problem["input"], str), problem
+    _no_traceback_since(broker, offset)
+
+
 @pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
 def test_dispatch_started_is_durable_before_the_first_request_byte(make_broker, upstream: HostileUpstream, dialect):
     broker = make_broker(dialect)
