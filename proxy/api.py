@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import VERSION, metrics
 from . import decisions
@@ -65,6 +66,7 @@ _ANSWERS = {
     403: "An agent token on an operator call (problem+json)",
     404: "No invocation with this id is visible to this token (problem+json)",
     409: "The record cannot take this now; the detail says why (problem+json)",
+    413: "The request body is over 64 KiB; nothing was read or changed (problem+json)",
     503: "The journal (database) did not answer; nothing was changed; retry after Retry-After (problem+json)",
 }
 
@@ -79,6 +81,55 @@ def answers(*statuses: int, meaning: dict[int, str] | None = None) -> dict[int |
 # (the journal leaves None out of event data).
 CARD_FIELDS = ("agent", "route", "method", "target", "body_sha256", "body_bytes", "credential_id",
                "credential_version", "injection", "approves", "config_digest", "retry_of_uncertain_action")
+
+
+#: The largest request body the side API reads. The largest valid one, a reconciliation with a
+#: 500-character reference and a 2000-character note, every character an escaped surrogate pair
+#: (\uD83D\uDE00), is 30 KB.
+MAX_BODY = 64 * 1024
+
+
+class BodyLimit:
+    """Refuses a request body over :data:`MAX_BODY` with a 413, before holding more of it than that.
+
+    FastAPI reads a body whole into memory, and before it looks at the token: without this, anyone
+    who reaches the port could make the broker, proxy and all, hold a body of any size. GET and
+    HEAD pass untouched (no route reads their body; uvicorn stops reading one nobody asks for).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > MAX_BODY:
+            return await self._refuse(scope, receive, send)
+        messages: list[Message] = []
+        size = 0
+        while True:  # what arrives without a Content-Length (chunked) is counted as it comes
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > MAX_BODY:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _refuse(scope: Scope, receive: Receive, send: Send) -> None:
+        response = _problem(413, "Content Too Large", f"The request body is over {MAX_BODY} bytes, more than any "
+                            "call of this API takes; nothing was read or changed. Send the body the call describes "
+                            "(docs/api.md).", {"Connection": "close"})
+        await response(scope, receive, send)
 
 
 class ReconcileBody(BaseModel):
@@ -113,6 +164,7 @@ def create_app(
         version=VERSION,
         description="Recorded invocations and results of the Affidavit broker. See docs/api.md.",
     )
+    app.add_middleware(BodyLimit)
     tokens = {token.encode(): name for name, token in agent_tokens.items()}
     operator = operator_token.encode() if operator_token else None
 
@@ -258,7 +310,7 @@ def create_app(
 
     @app.post("/v1/invocations/{invocation_id}/reconcile", tags=["operators"],
               summary="Append what is known about the effect (operator); the original record stays",
-              responses=answers(401, 403, 404, 409, 503))
+              responses=answers(401, 403, 404, 409, 413, 503))
     async def reconcile_invocation(
         invocation_id: str, body: ReconcileBody, who: Annotated[Principal, Depends(operator_only)]
     ) -> dict[str, Any]:
@@ -303,7 +355,7 @@ def create_app(
         return {"items": cards}
 
     @app.post("/v1/approvals/{invocation_id}", tags=["operators"], summary="Approve or deny a held request",
-              responses=answers(401, 403, 404, 409, 503))
+              responses=answers(401, 403, 404, 409, 413, 503))
     async def decide(invocation_id: str, body: DecisionBody, who: Annotated[Principal, Depends(operator_only)]) -> dict[str, Any]:
         row = await visible(invocation_id, who)
         try:

@@ -421,6 +421,29 @@ def test_a_nan_or_infinity_in_a_body_gets_a_422(broker: BrokerProcess, upstream:
     _no_traceback_since(broker, offset)
 
 
+def test_an_oversized_api_body_is_refused_before_it_is_read(broker: BrokerProcess, upstream: HostileUpstream):
+    """The largest valid body is a few KiB; FastAPI would read any body whole into memory, before it
+    looks at the token."""
+    big = b'{"note": "' + b"x" * (1024 * 1024) + b'"}'
+
+    def chunks():  # no Content-Length: the broker must count what arrives
+        for start in range(0, len(big), 65536):
+            yield big[start:start + 65536]
+
+    with httpx.Client(base_url=broker.api_url, timeout=10) as anyone:
+        for path in ("/v1/invocations/act_nope/reconcile", "/v1/approvals/act_nope"):
+            for content in (big, chunks()):
+                answer = _seen(anyone.post(path, content=content, headers={"Content-Type": "application/json"}))
+                assert answer.status_code == 413, answer.text[:300]
+                assert answer.headers["content-type"] == "application/problem+json"
+                assert answer.json()["status"] == 413 and "65536" in answer.json()["detail"]
+    with broker.operator() as api:  # a body of a valid size still gets its answer
+        note = "é" * 2000  # the longest note, each character escaped: 12 KiB
+        answer = _seen(api.post("/v1/approvals/act_nope", content=json.dumps({"decision": "deny", "note": note}),
+                                headers={"Content-Type": "application/json"}))
+        assert answer.status_code == 404, answer.text
+
+
 @pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
 def test_dispatch_started_is_durable_before_the_first_request_byte(make_broker, upstream: HostileUpstream, dialect):
     broker = make_broker(dialect)
