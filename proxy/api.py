@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -62,19 +62,27 @@ def _problem(status: int, title: str, detail: str, headers: dict[str, str] | Non
 
 # What each error answer means, for /openapi.json (docs/api.md says the same at more length).
 _ANSWERS = {
+    400: "The body is not JSON text at all (not UTF-8, or nested too deeply to read): FastAPI's "
+         "{\"detail\": \"There was an error parsing the body\"} (application/json)",
     401: "No bearer token, or one this broker does not know (problem+json)",
     403: "An agent token on an operator call (problem+json)",
     404: "No invocation with this id is visible to this token (problem+json)",
     409: "The record cannot take this now; the detail says why (problem+json)",
     413: "The request body is over 64 KiB; nothing was read or changed (problem+json)",
+    422: "Malformed parameters or body: FastAPI's validation error (application/json)",
     503: "The journal (database) did not answer; nothing was changed; retry after Retry-After (problem+json)",
 }
+
+# FastAPI's own 422 for a malformed request, in its own schema: a call that declares a 422 (one that
+# answers problem documents too, or one with a "default") has it replaced, so it is declared again.
+_VALIDATION_ERROR = {"application/json": {"schema": {"$ref": "#/components/schemas/HTTPValidationError"}}}
 
 
 def answers(*statuses: int, meaning: dict[int, str] | None = None) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses`` for the listed error statuses (``meaning``: a call's own wording)."""
     meanings = {**_ANSWERS, **(meaning or {})}
-    return {status: {"description": meanings[status]} for status in statuses}
+    return {status: {"description": meanings[status], **({"content": _VALIDATION_ERROR} if status == 422 else {})}
+            for status in statuses}
 
 
 # Every field of an approval card, so that an empty one reads null instead of going missing
@@ -240,7 +248,8 @@ def create_app(
         last_write = "ok" if journal.healthy else "failed"
         return JSONResponse({"status": "ready", "journal": "ok", "last_write": last_write})
 
-    @app.get("/metrics", tags=["health"], summary="Prometheus metrics (operator)", responses=answers(401, 403))
+    @app.get("/metrics", tags=["health"], summary="Prometheus metrics (operator)", responses=answers(401, 403),
+             response_class=PlainTextResponse)
     async def prometheus(_who: Annotated[Principal, Depends(operator_only)]) -> Response:
         body, content_type = metrics.exposition()
         return Response(content=body, media_type=content_type)
@@ -256,7 +265,12 @@ def create_app(
         "/v1/invocations/{invocation_id}/result",
         tags=["invocations"],
         summary="The recorded final response, replayed exactly; never a partial body",
-        responses=answers(401, 404, 409, 503, meaning={409: "No complete result exists; the body is the contract envelope"}),
+        responses={
+            **answers(401, 404, 409, 422, 503, meaning={409: "No complete result exists; the body is the contract envelope"}),
+            "default": {"description": "The recorded response, replayed: its stored status (200, 201, 404...), headers "
+                                       "and body, of any type, with Affidavit-Replayed: true"},
+        },
+        response_class=Response,  # no type of its own: the recorded one
     )
     async def get_result(invocation_id: str, who: Annotated[Principal, Depends(principal)]) -> Response:
         if not _storable(invocation_id):
@@ -310,7 +324,11 @@ def create_app(
 
     @app.post("/v1/invocations/{invocation_id}/reconcile", tags=["operators"],
               summary="Append what is known about the effect (operator); the original record stays",
-              responses=answers(401, 403, 404, 409, 413, 503))
+              responses={**answers(400, 401, 403, 404, 409, 413, 503), 422: {
+                  "description": "Malformed parameters or body (FastAPI's validation error, application/json); or "
+                                 "the finding cannot be made: no outcome and no lookup, or the lookup cannot be done "
+                                 "(problem+json)",
+                  "content": {**_VALIDATION_ERROR, MEDIA_TYPE: {}}}})
     async def reconcile_invocation(
         invocation_id: str, body: ReconcileBody, who: Annotated[Principal, Depends(operator_only)]
     ) -> dict[str, Any]:
@@ -355,7 +373,7 @@ def create_app(
         return {"items": cards}
 
     @app.post("/v1/approvals/{invocation_id}", tags=["operators"], summary="Approve or deny a held request",
-              responses=answers(401, 403, 404, 409, 413, 503))
+              responses=answers(400, 401, 403, 404, 409, 413, 503))
     async def decide(invocation_id: str, body: DecisionBody, who: Annotated[Principal, Depends(operator_only)]) -> dict[str, Any]:
         row = await visible(invocation_id, who)
         try:

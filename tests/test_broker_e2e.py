@@ -444,6 +444,33 @@ def test_an_oversized_api_body_is_refused_before_it_is_read(broker: BrokerProces
         assert answer.status_code == 404, answer.text
 
 
+def test_the_schema_declares_every_answer_the_side_api_gives(broker: BrokerProcess, upstream: HostileUpstream):
+    """What schemathesis checks: each answer's status, and its media type, are in /openapi.json."""
+    with broker.client() as client:
+        created = _seen(client.post(f"{PAYMENTS}/h/status?code=201", content=b"{}")).headers["affidavit-invocation-id"]
+    json_body = {"Content-Type": "application/json"}
+    with broker.operator() as api:
+        schema = api.get("/openapi.json").json()
+        answers = [
+            ("/metrics", "get", api.get("/metrics")),
+            ("/v1/invocations/{invocation_id}/result", "get", api.get(f"/v1/invocations/{created}/result")),
+            ("/v1/invocations/{invocation_id}/reconcile", "post",  # neither an outcome nor a lookup
+             api.post(f"/v1/invocations/{created}/reconcile", json={})),
+            ("/v1/invocations/{invocation_id}/reconcile", "post",  # not UTF-8
+             api.post(f"/v1/invocations/{created}/reconcile", content=b'{"note": "\xff"}', headers=json_body)),
+            ("/v1/approvals/{invocation_id}", "post", api.post(f"/v1/approvals/{created}", content=b"\xff", headers=json_body)),
+        ]
+    assert [a[2].status_code for a in answers] == [200, 201, 422, 400, 400], [a[2].text for a in answers]
+    for path, method, answer in answers:
+        _seen(answer)
+        declared = schema["paths"][path][method]["responses"]
+        status = str(answer.status_code) if str(answer.status_code) in declared else "default"
+        assert status in declared, f"{method.upper()} {path} answered {answer.status_code}, not in {sorted(declared)}"
+        types = declared[status].get("content")
+        media_type = answer.headers["content-type"].split(";")[0]
+        assert types is None or media_type in types, f"{method.upper()} {path} {answer.status_code}: {media_type} not in {sorted(types)}"
+
+
 @pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
 def test_dispatch_started_is_durable_before_the_first_request_byte(make_broker, upstream: HostileUpstream, dialect):
     broker = make_broker(dialect)
