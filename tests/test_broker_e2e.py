@@ -344,6 +344,11 @@ def test_invocations_list_reads_at_any_width_and_refuses_a_filter_typo(broker: B
             assert len(line.rstrip()) <= int(width), line
             around = text[text.index(invocation_id):][:int(width) * 3]
             assert "payments.create" in around and "UNSUPPORTED_ACTION" in around and "after_correction" in around, text
+    # A window reaching back past year 1 (where dates end) lists everything; it is no traceback.
+    endless = broker.command("invocations", "list", "--code", "UNSUPPORTED_ACTION", "--since", "99999999999d", "--json")
+    assert endless.returncode == 0 and set(ids) <= {json.loads(line)["invocation_id"] for line in endless.stdout.decode().splitlines()}, endless
+    counted = broker.command("metrics", "--since", "99999999999d")
+    assert counted.returncode == 0 and b"Traceback" not in counted.stderr, counted
     typo = broker.command("invocations", "list", "--outcome", "unknwon")
     assert typo.returncode == 2 and b"'unknwon' is not one of" in typo.stderr, typo
 
