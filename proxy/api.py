@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from . import VERSION, metrics
 from . import decisions
@@ -51,13 +52,12 @@ class ApiError(Exception):
 log = logging.getLogger("affidavit.api")
 
 
+def _problem_body(status: int, title: str, detail: str) -> dict[str, Any]:
+    return {"type": "about:blank", "title": title, "status": status, "detail": detail}
+
+
 def _problem(status: int, title: str, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(
-        {"type": "about:blank", "title": title, "status": status, "detail": detail},
-        status_code=status,
-        media_type=MEDIA_TYPE,
-        headers=headers,
-    )
+    return JSONResponse(_problem_body(status, title, detail), status_code=status, media_type=MEDIA_TYPE, headers=headers)
 
 
 # What each error answer means, for /openapi.json (docs/api.md says the same at more length).
@@ -138,6 +138,50 @@ class BodyLimit:
                             "call of this API takes; nothing was read or changed. Send the body the call describes "
                             "(docs/api.md).", {"Connection": "close"})
         await response(scope, receive, send)
+
+
+#: The most a request's head (request line and headers) may take. uvicorn's httptools protocol
+#: has no bound of its own (h11's has one, at half the speed): a 200 MB header line was held whole.
+MAX_HEAD = 64 * 1024
+
+
+#: After a refusal, how long what the client still sends is read and dropped before the close: a
+#: close with unread data would reset the connection, and the client could lose the answer.
+LINGER = 2.0
+
+
+class BoundedHead(HttpToolsProtocol):
+    """uvicorn's httptools protocol, which refuses a request head over :data:`MAX_HEAD` with a
+    431 and closes the connection. What is held of a head is at most that plus one read."""
+
+    _head_bytes = 0
+    _in_head = True
+    _refused = False
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # read and dropped until the close
+        if self._in_head:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._in_head and self._head_bytes > MAX_HEAD and not self.transport.is_closing():
+            self._refused = True
+            log.warning("side API: refused a request head over %d bytes from %s", MAX_HEAD, (self.client or ("?",))[0])
+            body = json.dumps(_problem_body(431, "Request Header Fields Too Large",
+                                  f"The request line and headers are over {MAX_HEAD} bytes; nothing was read or changed. "
+                                  "Send the request docs/api.md describes.")).encode()
+            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: " + MEDIA_TYPE.encode()
+                                 + b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+            self.transport.write_eof()
+            asyncio.get_running_loop().call_later(LINGER, self.transport.close)
+
+    def on_headers_complete(self) -> None:
+        self._in_head, self._head_bytes = False, 0
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_head, self._head_bytes = True, 0  # the next request's head, if any
+        super().on_message_complete()
 
 
 class ReconcileBody(BaseModel):

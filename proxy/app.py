@@ -24,7 +24,7 @@ from ulid import ULID
 
 from . import logs
 from .addon import AgentAuth, BrokerAddon, install_caller_watch, install_core_refusals
-from .api import create_app
+from .api import BoundedHead, create_app
 from .broker import Broker
 from .config import ConfigError, Settings, parse_listen
 from .credentials import CredentialUnavailable, Credentials, read_source
@@ -204,6 +204,7 @@ async def serve(
             create_app(engine, tokens, operator, journal, broker, reader),
             log_config=None,
             access_log=False,
+            http=BoundedHead,
             lifespan="off",
             loop="none",
             server_header=False,
