@@ -127,6 +127,12 @@ def trailers_refused() -> http.Response:
     )
 
 
+#: The most an agent's HTTP/1 request head (request line and headers, a CONNECT's too) may take.
+#: mitmproxy holds a head whole however long it is ("FIXME: protect against header size DoS" in
+#: its ``Http1Server.read_headers``); over HTTP/2, hpack's header list limit (64 KiB) applies.
+MAX_REQUEST_HEAD = 64 * 1024
+
+
 def install_core_refusals(body_limit: int) -> None:
     """Make the refusals mitmproxy sends itself, before any hook runs, envelopes like every
     other: HTTP it cannot parse (400) and a body over its ``body_size_limit`` (413).
@@ -146,6 +152,11 @@ def install_core_refusals(body_limit: int) -> None:
     waiting with the connection open. ``Http1Server.read_body`` is wrapped here so that both end in
     an envelope (400) and a close, the way mitmproxy ends a request head it cannot parse. Pinned by
     tests/test_broker_e2e.py::test_request_trailers_are_refused_over_either_http_version.
+
+    An HTTP/1 request head that grows past :data:`MAX_REQUEST_HEAD` without ending is refused
+    (431) and its connection closed: ``Http1Server.read_headers`` is wrapped here, since mitmproxy
+    would otherwise hold it whole, from anyone who can reach the port, before any credential is
+    looked at. Pinned by tests/test_broker_e2e.py::test_an_endless_request_head_is_refused_on_the_proxy_port.
     """
     from h11 import EndOfMessage, ProtocolError
     from mitmproxy.net.http.http1 import assemble_response
@@ -179,6 +190,14 @@ def install_core_refusals(body_limit: int) -> None:
                 f"The request body is larger than any route accepts (the broker reads at most {body_limit} bytes); "
                 "it was refused before it was read. Nothing was sent upstream and nothing was recorded. "
                 "Send a smaller body.",
+            )
+        elif status == 431:
+            response = _refusal(
+                431,
+                Code.MALFORMED_REQUEST,
+                f"The request line and headers are larger than the broker reads ({MAX_REQUEST_HEAD} bytes); the "
+                "request was refused before it was read whole. Nothing was sent upstream and nothing was recorded. "
+                "Send smaller headers.",
             )
         elif status == 400:
             response = _refusal(
@@ -239,6 +258,19 @@ def install_core_refusals(body_limit: int) -> None:
             yield ReceiveHttp(RequestProtocolError(self.stream_id, "the request body could not be read as sent", unreadable_request))
             self.state = self.done
 
+    read_headers = getattr(_http1.Http1Server.read_headers, "__wrapped__", _http1.Http1Server.read_headers)
+
+    def http1_read_headers(self: _http1.Http1Server, event: Any) -> Any:
+        yield from read_headers(self, event)
+        waiting = getattr(self.state, "__func__", None) is http1_read_headers  # no head has ended yet
+        if waiting and len(self.buf) > MAX_REQUEST_HEAD and self.conn.state & ConnectionState.CAN_WRITE:
+            response = refusal(431)
+            assert response is not None
+            response.headers["Connection"] = "close"
+            yield commands.SendData(self.conn, assemble_response(response))
+            yield commands.CloseConnection(self.conn)
+            self.state = self.done
+
     handle_event = getattr(_http2.Http2Server._handle_event, "__wrapped__", _http2.Http2Server._handle_event)
 
     def http2_handle_event(self: _http2.Http2Server, event: Any) -> Any:
@@ -258,9 +290,11 @@ def install_core_refusals(body_limit: int) -> None:
 
     http1_error_response.__wrapped__ = make_error_response  # type: ignore[attr-defined]
     http1_read_body.__wrapped__ = read_body  # type: ignore[attr-defined]
+    http1_read_headers.__wrapped__ = read_headers  # type: ignore[attr-defined]
     http2_handle_event.__wrapped__ = handle_event  # type: ignore[attr-defined]
     _http1.make_error_response = http1_error_response
     _http1.Http1Server.read_body = http1_read_body  # type: ignore[method-assign]
+    _http1.Http1Server.read_headers = http1_read_headers  # type: ignore[method-assign]
     _http2.Http2Server._handle_event = http2_handle_event  # type: ignore[method-assign]
 
 

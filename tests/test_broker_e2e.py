@@ -13,6 +13,7 @@ import ssl
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -714,6 +715,9 @@ def _h2_request(
         # Past the largest max_body (10 MiB by default) plus 1 MiB: refused on its Content-Length,
         # before a byte of the body is read.
         ("tunnel", b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nContent-Length: 12582912\r\n\r\n", 413, "PAYLOAD_LIMIT"),
+        # A head past 64 KiB that has not ended (mitmproxy would hold it whole, however long).
+        ("plain", b"GET http://plain.example.test/h/ok HTTP/1.1\r\nX-Big: " + b"a" * (66 * 1024), 431, "MALFORMED_REQUEST"),
+        ("tunnel", b"GET /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nX-Big: " + b"a" * (66 * 1024), 431, "MALFORMED_REQUEST"),
     ],
 )
 def test_requests_the_proxy_core_refuses_get_envelopes(broker: BrokerProcess, upstream: HostileUpstream, path, request_bytes, status, code):
@@ -732,6 +736,31 @@ def test_requests_the_proxy_core_refuses_get_envelopes(broker: BrokerProcess, up
     assert (envelope["error"]["code"], envelope["error"]["outcome"], envelope["error"]["retry"]) == (code, "not_attempted", "after_correction")
     assert b"mitmproxy" not in body.lower() and b"twelve" not in body and b"NOT HTTP" not in body
     assert upstream.received == []
+
+
+def test_an_endless_request_head_is_refused_on_the_proxy_port(broker: BrokerProcess, upstream: HostileUpstream):
+    """Anyone who reaches the proxy port, before any credential is asked for, could make the
+    broker hold a request head of any size: 32 MiB of one header line took 33 MB of its memory.
+    Now it reads at most 64 KiB and a read more, then refuses and closes."""
+    def rss_kib() -> int:
+        return int(Path(f"/proc/{broker.proc.pid}/status").read_text().split("VmRSS:")[1].split()[0])
+
+    before = rss_kib()
+    with socket.create_connection(("127.0.0.1", broker.proxy_port), timeout=10) as sock:
+        sent = 0
+        try:
+            sock.sendall(b"GET http://plain.example.test/h/ok HTTP/1.1\r\nX-Big: ")
+            while sent < 32 * 1024 * 1024:
+                sock.sendall(b"a" * 65536)
+                sent += 65536
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the broker closed: the refusal
+        else:
+            raise AssertionError("the broker read 32 MiB of a request head without refusing it")
+    assert sent < 16 * 1024 * 1024, sent
+    assert rss_kib() - before < 8 * 1024, (before, rss_kib())
+    with broker.client() as client:  # and it serves on
+        assert _seen(client.get(f"{PAYMENTS}/h/ok")).status_code == 200
 
 
 CHUNKED = b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n"
