@@ -11,7 +11,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
@@ -273,7 +273,7 @@ def create_app(
     async def visible(invocation_id: str, who: Principal) -> dict[str, Any]:
         row = await queries.invocation(engine, invocation_id) if _storable(invocation_id) else None
         if row is None or (not who.operator and row["agent"] != who.agent):
-            raise ApiError(404, "Not Found", f"No invocation {invocation_id!r} is visible to this token.")
+            raise not_visible(invocation_id)
         return row
 
     @app.get("/healthz", tags=["health"], summary="Liveness: the process is serving")
@@ -318,15 +318,15 @@ def create_app(
     )
     async def get_result(invocation_id: str, who: Annotated[Principal, Depends(principal)]) -> Response:
         if not _storable(invocation_id):
-            raise ApiError(404, "Not Found", f"No invocation {invocation_id!r} is visible to this token.")
+            raise not_visible(invocation_id)
         fast = await reader.fetch(invocation_id) if reader is not None else None
         if fast is not None and fast["stage"] != Stage.DELIVERY_FAILED.value:
             if not who.operator and fast["agent"] != who.agent:
-                raise ApiError(404, "Not Found", f"No invocation {invocation_id!r} is visible to this token.")
+                raise not_visible(invocation_id)
             return await replayed(invocation_id, {**fast, "invocation_id": invocation_id}, fast)
         row, stored = await queries.invocation_with_result(engine, invocation_id)
         if row is None or (not who.operator and row["agent"] != who.agent):
-            raise ApiError(404, "Not Found", f"No invocation {invocation_id!r} is visible to this token.")
+            raise not_visible(invocation_id)
         if stored is None:
             _, events = await queries.events_of(engine, invocation_id, journal.decode_payload)
             view = describe(row, events)
@@ -439,10 +439,7 @@ def create_app(
         before: Annotated[str | None, Query(pattern=_NO_NUL, description="page: the last invocation_id of the previous page")] = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
     ) -> dict[str, Any]:
-        try:
-            since = datetime.now(UTC) - timedelta(hours=since_hours) if since_hours else None
-        except OverflowError:  # further back than year 1, where datetime ends: every invocation is newer
-            since = None
+        since = queries.window_start(since_hours * 3600) if since_hours else None
         rows = await queries.list_invocations(
             engine, agent=agent, outcome=outcome and outcome.value, phase=phase and phase.value, route=route,
             code=code and code.value, since=since, before=before, limit=limit,
@@ -471,6 +468,11 @@ def _finite(value: Any) -> Any:
     if isinstance(value, list):
         return [_finite(v) for v in value]
     return value
+
+
+def not_visible(invocation_id: str) -> ApiError:
+    """The one answer for an id that does not exist and for another agent's: ids cannot be probed."""
+    return ApiError(404, "Not Found", f"No invocation {invocation_id!r} is visible to this token.")
 
 
 def _storable(invocation_id: str) -> bool:

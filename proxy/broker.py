@@ -79,6 +79,7 @@ from .upstream import (
     UpstreamRequest,
     UpstreamResponse,
     end_to_end,
+    list_tokens,
 )
 
 log = logging.getLogger("affidavit.broker")
@@ -324,8 +325,8 @@ class _Exchange:
         stored_headers = [(k, v) for k, v in _passable(response.headers) if k.lower() not in _UNSTORED_HEADERS]
         # A bodiless answer's length (a HEAD's, a 304's) is a fact about the representation; a
         # replay of it through the proxy says the same (see _length_fields).
-        stored_headers += [(k, v) for k, v in _length_fields(response.status, response.framing, b"", response.headers)
-                           if response.framing == "none"]
+        if response.framing == "none":
+            stored_headers += _length_fields(response.status, response.framing, b"", response.headers)
         await self.prepare_body(response)
         stored_body, redacted, withheld = self.clean_body(response)
         stored_headers, headers_redacted = _redact_headers(_withheld_headers(stored_headers, withheld), self.needles)
@@ -1282,12 +1283,7 @@ def _asks_for_websocket(req: AgentRequest) -> bool:
     """An HTTP/1.1 WebSocket opening handshake (RFC 6455 4.1). Other upgrade offers (``h2c``,
     say) are dropped with the other hop-by-hop fields and the request goes on as HTTP/1.1; a
     WebSocket handshake without its ``Upgrade`` would reach the service as a plain GET."""
-    return any(
-        token.strip().lower() == "websocket"
-        for name, value in req.headers
-        if name.lower() == "upgrade"
-        for token in value.split(",")
-    )
+    return "websocket" in list_tokens(req.headers, "upgrade")
 
 
 def internal_error(message: str) -> Reply:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, Awaitable, Callable, Optional, TypeVar
 
@@ -96,20 +96,6 @@ def _window(since: str) -> float:
         raise typer.BadParameter(str(exc), param_hint="--since") from None
 
 
-#: No invocation is older than this: a window reaching further back (even past year 1, where
-#: datetime ends) starts here, and lists everything.
-_NOTHING_EARLIER = datetime(1970, 1, 1, tzinfo=UTC)
-
-
-def _since(since: str) -> datetime:
-    """The start of the ``--since`` window, now minus its duration."""
-    seconds = _window(since)
-    now = datetime.now(UTC)
-    if seconds >= (now - _NOTHING_EARLIER).total_seconds():
-        return _NOTHING_EARLIER
-    return now - timedelta(seconds=seconds)
-
-
 def _one_of(value: str | None, allowed: type[Outcome] | type[Phase] | type[Code], option: str) -> str | None:
     """A filter value checked against its closed enum: a typo would otherwise list nothing."""
     if value is None or value in {member.value for member in allowed}:
@@ -145,7 +131,7 @@ def invocations_list(
     outcome, phase = _one_of(outcome, Outcome, "--outcome"), _one_of(phase, Phase, "--phase")
     code = _one_of(code, Code, "--code")
     settings = settings_or_exit(config)
-    since_at = _since(since)
+    since_at = queries.window_start(_window(since))
     rows = with_engine(
         settings,
         lambda engine: queries.list_invocations(
@@ -227,7 +213,7 @@ def metrics(
 ) -> None:
     """The phase x outcome table for a time window, from the invocation_outcomes view."""
     settings = settings_or_exit(config)
-    since_at = _since(since).replace(minute=0, second=0, microsecond=0)
+    since_at = queries.window_start(_window(since)).replace(minute=0, second=0, microsecond=0)
 
     async def read(engine: Any) -> list[Any]:
         where = "WHERE bucket >= :since" + (" AND route = :route" if route else "")

@@ -50,17 +50,17 @@ HOP_BY_HOP = frozenset(
 )
 
 
+def list_tokens(headers: list[tuple[str, str]], name: str) -> set[str]:
+    """The lower-cased members of the list header ``name`` (every line of it, comma-separated)."""
+    name = name.lower()
+    return {token.strip().lower() for k, v in headers if k.lower() == name for token in v.split(",") if token.strip()}
+
+
 def connection_options(headers: list[tuple[str, str]]) -> set[str]:
     """The field names a ``Connection`` header lists: options of this hop only, which a proxy
     removes before it forwards the message (RFC 9110 7.6.1), such as ``HTTP2-Settings`` beside
     ``Upgrade: h2c``."""
-    return {
-        token.strip().lower()
-        for name, value in headers
-        if name.lower() == "connection"
-        for token in value.split(",")
-        if token.strip()
-    }
+    return list_tokens(headers, "connection")
 
 
 def end_to_end(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncio
@@ -177,6 +177,19 @@ async def result(engine: AsyncEngine, invocation_id: str) -> dict[str, Any] | No
     async with engine.connect() as conn:
         row = (await conn.execute(select(results).where(results.c.invocation_id == invocation_id))).mappings().first()
     return _row(row) if row else None
+
+
+#: No invocation is older than this: a window reaching further back (even past year 1, where
+#: datetime ends) starts here, and lists everything.
+NOTHING_EARLIER = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def window_start(seconds: float) -> datetime:
+    """The start of a time window of ``seconds`` that ends now (``since`` for list_invocations)."""
+    now = datetime.now(UTC)
+    if seconds >= (now - NOTHING_EARLIER).total_seconds():
+        return NOTHING_EARLIER
+    return now - timedelta(seconds=seconds)
 
 
 async def list_invocations(
