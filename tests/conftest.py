@@ -33,6 +33,12 @@ from tests.support.pg import (
 
 DIALECTS = ["sqlite", "postgresql"]
 
+# The suite starts some 140 brokers as `python -O -m proxy run`. pip compiles a fresh venv's
+# packages for plain `python` only, so without this every one of those starts compiled mitmproxy,
+# SQLAlchemy, pydantic and the rest from source again (~5 s of CPU each) on a machine whose
+# environment says PYTHONDONTWRITEBYTECODE=1 (this kind of machine, and CI on it, do). Children
+# inherit the environment: the first start writes the optimized bytecode, later ones read it.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 @pytest.fixture(scope="session")
