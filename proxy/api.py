@@ -15,11 +15,13 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -224,11 +226,32 @@ def create_app(
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
         return _problem(exc.status, exc.title, exc.detail, exc.headers)
 
+    async def _token_refusal(request: Request) -> JSONResponse | None:
+        """FastAPI reads and parses a body before it resolves the token: a malformed call from a
+        caller without a valid token (or an agent's on an operator call) is refused for that,
+        and learns nothing about how its body or parameters are malformed."""
+        try:
+            who = await principal(request)
+            if _needs_operator(request.scope.get("route")):
+                await operator_only(who)
+        except ApiError as refused:
+            return _problem(refused.status, refused.title, refused.detail, refused.headers)
+        return None
+
     @app.exception_handler(RequestValidationError)
-    async def _malformed(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _malformed(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if (refused := await _token_refusal(request)) is not None:
+            return refused
         # FastAPI's own 422, except that a NaN or an Infinity in the body (Python's JSON reader takes
         # them, JSON has no such numbers) is echoed as the text it was: encoding it failed the answer.
         return JSONResponse({"detail": _finite(jsonable_encoder(exc.errors()))}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # 400: FastAPI could not parse the body at all (not UTF-8, nested too deeply).
+        if exc.status_code == 400 and (refused := await _token_refusal(request)) is not None:
+            return refused
+        return await http_exception_handler(request, exc)
 
     async def _journal_error(_request: Request, exc: Exception) -> JSONResponse:
         if not queries.unreachable(exc):  # it answered: a bug or a damaged schema, which waiting will not cure
@@ -269,6 +292,10 @@ def create_app(
         if not who.operator:
             raise ApiError(403, "Forbidden", "This call needs the operator token.")
         return who
+
+    def _needs_operator(route: Any) -> bool:
+        dependant = getattr(route, "dependant", None)
+        return dependant is not None and any(d.call is operator_only for d in dependant.dependencies)
 
     async def visible(invocation_id: str, who: Principal) -> dict[str, Any]:
         row = await queries.invocation(engine, invocation_id) if _storable(invocation_id) else None

@@ -427,6 +427,31 @@ def test_a_nan_or_infinity_in_a_body_gets_a_422(broker: BrokerProcess, upstream:
     _no_traceback_since(broker, offset)
 
 
+def test_a_malformed_call_without_the_right_token_is_refused_for_the_token_not_the_body(
+    broker: BrokerProcess, upstream: HostileUpstream
+):
+    """FastAPI parses the body before it resolves the token: the refusal must still be the token's."""
+    headers = {"Content-Type": "application/json"}
+    bodies = (("/v1/invocations/act_nope/reconcile", b'{"outcome": ', 422),
+              ("/v1/approvals/act_nope", b"not json", 422),
+              ("/v1/approvals/act_nope", b'{"decision": "\xff"}', 400))  # not UTF-8: FastAPI cannot parse it
+    callers = (("no token", httpx.Client(base_url=broker.api_url, timeout=10), 401),
+               ("a wrong token", broker.api("not-a-token"), 401),
+               ("an agent's token", broker.api(), 403),
+               ("the operator's token", broker.operator(), None))  # None: the body's own answer
+    for who, api, status in callers:
+        with api:
+            for path, body, malformed in bodies:
+                answer = _seen(api.post(path, content=body, headers=headers))
+                assert answer.status_code == (status or malformed), (who, path, answer.text)
+                if status is not None:
+                    assert answer.headers["content-type"] == "application/problem+json", (who, path)
+                    assert "detail" in answer.json() and "loc" not in answer.text, (who, answer.text)
+            if status == 401:  # a malformed query parameter, too
+                answer = _seen(api.get("/v1/invocations", params={"limit": "many"}))
+                assert answer.status_code == 401 and "WWW-Authenticate" in answer.headers, (who, answer.text)
+
+
 def test_an_oversized_api_body_is_refused_before_it_is_read(broker: BrokerProcess, upstream: HostileUpstream):
     """The largest valid body is a few KiB; FastAPI would read any body whole into memory, before it
     looks at the token."""
