@@ -112,6 +112,8 @@ class ProxySection(_Section):
     retry_lease: Duration = 30.0
     #: Broker processes sharing the listen ports (SO_REUSEPORT) and one journal; see docs/performance.md.
     workers: int = Field(default=1, ge=1, le=64)
+    #: The event loop the broker runs on: uvloop's (libuv), or asyncio's own.
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
 
 
 class ApiSection(_Section):

@@ -427,6 +427,29 @@ def test_a_nan_or_infinity_in_a_body_gets_a_422(broker: BrokerProcess, upstream:
     _no_traceback_since(broker, offset)
 
 
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
+def test_the_broker_serves_on_uvloop_by_default_and_on_asyncio_when_told(make_broker, upstream: HostileUpstream,
+                                                                        event_loop: str):
+    sections = {} if event_loop == "uvloop" else {"proxy": {"event_loop": "asyncio"}}
+    broker = make_broker("postgresql", **sections)
+    loaded = Path(f"/proc/{broker.proc.pid}/maps").read_text()
+    assert ("uvloop" in loaded) == (event_loop == "uvloop"), "the loop the configuration asks for is the one running"
+    assert f'event loop: {event_loop} ({"Loop" if event_loop == "uvloop" else "_UnixSelectorEventLoop"})' in broker.logs()
+    with broker.client() as client:
+        tls = _seen(client.post(f"{PAYMENTS}/h/status?code=201", json={"amount": 1}))
+        plain = _seen(client.post("http://plain.example.test/h/status?code=202", content=b"x"))
+    assert (tls.status_code, plain.status_code) == (201, 202)
+    assert [seen.header("Authorization") or seen.header("X-Api-Key") for seen in upstream.received] == [
+        f"Bearer {CANARIES['PAYMENTS_KEY']}", CANARIES["PAYMENTS_KEY"]]
+    for answer in (tls, plain):
+        invocation_id = answer.headers["affidavit-invocation-id"]
+        broker.wait_for(invocation_id, lambda r: r["stage"] == "delivered")
+        with broker.api() as api:
+            replay = _seen(api.get(f"/v1/invocations/{invocation_id}/result"))
+        assert (replay.status_code, replay.content) == (answer.status_code, answer.content)
+    assert len(upstream.received) == 2
+
+
 def test_a_malformed_call_without_the_right_token_is_refused_for_the_token_not_the_body(
     broker: BrokerProcess, upstream: HostileUpstream
 ):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -160,6 +161,39 @@ def test_affidavit_run_on_a_taken_port_says_which_and_exits(tmp_path, taken):
     assert "--mode" not in done.stderr and "failed to listen" not in done.stderr, done.stderr
     other = api_port if taken == "proxy" else port
     assert not _listening(other), "nothing may stay bound after a failed start"
+
+
+def test_affidavit_run_without_uvloop_says_what_to_do_and_touches_nothing(tmp_path):
+    """Where uvloop cannot be imported (Windows, a broken install), the default event loop is refused
+    at start, before the journal is opened, with both ways out; `event_loop = "asyncio"` starts."""
+    port, api_port = free_port(), free_port()
+    config = GOOD.format(port=port, api_port=api_port, db=tmp_path / "j.db")
+    path = write(tmp_path, config)
+    shadow = tmp_path / "shadow" / "uvloop"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no uvloop on this machine')\n")
+    env = {"PATH": "/usr/bin:/bin", "BUILDER_TOKEN": "t" * 24, "PAYMENTS_KEY": "x", "HOME": str(tmp_path),
+           "PYTHONPATH": str(shadow.parent)}
+    done = subprocess.run([AFFIDAVIT, "run", "--config", str(path)], capture_output=True, text=True,
+                          timeout=90, cwd=tmp_path, env=env)
+    assert done.returncode == 1, done.stderr
+    assert ('affidavit: cannot start: proxy.event_loop = "uvloop", but uvloop cannot be imported (no uvloop on this '
+            'machine); install it (pip install uvloop) or set [proxy] event_loop = "asyncio"') in done.stderr, done.stderr
+    assert not (tmp_path / "j.db").exists(), "refused before the journal was opened"
+    assert not _listening(port) and not _listening(api_port)
+
+    path.write_text(config.replace("[proxy]\n", '[proxy]\nevent_loop = "asyncio"\n', 1))
+    broker = subprocess.Popen([AFFIDAVIT, "run", "--config", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, cwd=tmp_path, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not _listening(port) and broker.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _listening(port), "the broker on asyncio's loop did not start"
+    finally:
+        broker.terminate()
+        output = broker.communicate(timeout=30)[0]
+    assert "event loop: asyncio (_UnixSelectorEventLoop)" in output, output
 
 
 @pytest.mark.parametrize("command", [["invocations", "list"], ["metrics"]])

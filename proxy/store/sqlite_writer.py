@@ -173,7 +173,9 @@ class SqliteWriter:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env={name: os.environ[name] for name in _ENVIRONMENT if name in os.environ},
-            process_group=0,  # signals to the broker's process group do not reach it
+            # A session (and process group) of its own: signals to the broker's group do not reach it.
+            # (start_new_session, not process_group, which uvloop does not take.)
+            start_new_session=True,
         )
         relay = asyncio.get_running_loop().create_task(_relay_output(proc), name=f"sqlite writer {proc.pid} output")
         self._relays.add(relay)
