@@ -97,6 +97,8 @@ CARD_FIELDS = ("agent", "route", "method", "target", "body_sha256", "body_bytes"
 #: 500-character reference and a 2000-character note, every character an escaped surrogate pair
 #: (\uD83D\uDE00), is 30 KB.
 MAX_BODY = 64 * 1024
+TOO_LARGE = (f"The request body is over {MAX_BODY} bytes, more than any call of this API takes; nothing was read or "
+             "changed. Send the body the call describes (docs/api.md).")
 
 
 class BodyLimit:
@@ -105,6 +107,8 @@ class BodyLimit:
     FastAPI reads a body whole into memory, and before it looks at the token: without this, anyone
     who reaches the port could make the broker, proxy and all, hold a body of any size. GET and
     HEAD pass untouched (no route reads their body; uvicorn stops reading one nobody asks for).
+    A body whose Content-Length is over the limit is refused by :class:`BoundedHead` before the
+    app is called; what reaches this is a body sent without one (chunked) that grows past it.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -136,9 +140,7 @@ class BodyLimit:
 
     @staticmethod
     async def _refuse(scope: Scope, receive: Receive, send: Send) -> None:
-        response = _problem(413, "Content Too Large", f"The request body is over {MAX_BODY} bytes, more than any "
-                            "call of this API takes; nothing was read or changed. Send the body the call describes "
-                            "(docs/api.md).", {"Connection": "close"})
+        response = _problem(413, "Content Too Large", TOO_LARGE, {"Connection": "close"})
         await response(scope, receive, send)
 
 
@@ -154,7 +156,13 @@ LINGER = 2.0
 
 class BoundedHead(HttpToolsProtocol):
     """uvicorn's httptools protocol, which refuses a request head over :data:`MAX_HEAD` with a
-    431 and closes the connection. What is held of a head is at most that plus one read."""
+    431, and a declared body over :data:`MAX_BODY` with a 413, then lingers before it closes. What
+    is held of a head is at most that plus one read.
+
+    Lingering: the answer is written and the sending side shut down, and what the client still
+    sends is read and dropped for :data:`LINGER` seconds. A client that sends its whole request
+    before it reads (most do) then finds the answer, where closing on unread bytes would have made
+    the kernel answer with a reset instead."""
 
     _head_bytes = 0
     _in_head = True
@@ -166,22 +174,37 @@ class BoundedHead(HttpToolsProtocol):
         if self._in_head:
             self._head_bytes += len(data)
         super().data_received(data)
-        if self._in_head and self._head_bytes > MAX_HEAD and not self.transport.is_closing():
-            self._refused = True
+        if self._in_head and self._head_bytes > MAX_HEAD and not self._refused and not self.transport.is_closing():
             log.warning("side API: refused a request head over %d bytes from %s", MAX_HEAD, (self.client or ("?",))[0])
-            body = json.dumps(_problem_body(431, "Request Header Fields Too Large",
-                                  f"The request line and headers are over {MAX_HEAD} bytes; nothing was read or changed. "
-                                  "Send the request docs/api.md describes.")).encode()
-            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: " + MEDIA_TYPE.encode()
-                                 + b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
-            self.transport.write_eof()
-            asyncio.get_running_loop().call_later(LINGER, self.transport.close)
+            self._refuse(431, "Request Header Fields Too Large", f"The request line and headers are over {MAX_HEAD} "
+                         "bytes; nothing was read or changed. Send the request docs/api.md describes.")
+
+    def _refuse(self, status: int, title: str, detail: str) -> None:
+        self._refused = True
+        body = json.dumps(_problem_body(status, title, detail)).encode()
+        self.transport.write(f"HTTP/1.1 {status} {title}\r\ncontent-type: {MEDIA_TYPE}\r\ncontent-length: {len(body)}"
+                             "\r\nconnection: close\r\n\r\n".encode() + body)
+        self.transport.write_eof()
+        asyncio.get_running_loop().call_later(LINGER, self.transport.close)
 
     def on_headers_complete(self) -> None:
+        if self._refused:
+            return  # a request pipelined behind the refused one
         self._in_head, self._head_bytes = False, 0
+        declared = next((value for name, value in self.headers if name == b"content-length"), b"")
+        idle = self.cycle is None or self.cycle.response_complete  # no answer of an earlier request on its way
+        if idle and declared.isdigit() and int(declared) > MAX_BODY and self.parser.get_method() not in (b"GET", b"HEAD"):
+            self._refuse(413, "Content Too Large", TOO_LARGE)
+            return
         super().on_headers_complete()
 
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
     def on_message_complete(self) -> None:
+        if self._refused:
+            return
         self._in_head, self._head_bytes = True, 0  # the next request's head, if any
         super().on_message_complete()
 

@@ -498,6 +498,29 @@ def test_an_oversized_api_body_is_refused_before_it_is_read(broker: BrokerProces
         assert answer.status_code == 404, answer.text
 
 
+def test_an_api_client_still_sending_an_oversized_body_reads_the_413_instead_of_a_reset(broker: BrokerProcess,
+                                                                                    upstream: HostileUpstream):
+    """A client that sends its whole body before it reads (httpx, requests, curl without Expect)
+    must find the 413 when it reads: the broker keeps reading and dropping what follows for a while,
+    rather than closing on unread bytes, which makes the kernel answer with a reset."""
+    size = 24 * 1024 * 1024  # more than loopback's socket buffers hold
+    for path in ("/v1/invocations/act_nope/reconcile", "/v1/approvals/act_nope"):
+        with socket.create_connection(("127.0.0.1", int(broker.api_url.rsplit(":", 1)[1])), timeout=10) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {size}\r\n\r\n".encode())
+            block = b"x" * (1024 * 1024)
+            for _ in range(size // len(block)):
+                sock.sendall(block)  # a reset here, or below, is the failure
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 413"), answer[:300]
+        assert json.loads(body)["status"] == 413 and "65536" in json.loads(body)["detail"], body[:300]
+    with broker.operator() as api:  # the API serves on
+        assert _seen(api.get("/v1/approvals")).status_code == 200
+
+
 def _api_raw(broker: BrokerProcess, parts: list[bytes]) -> bytes:
     """Send ``parts`` to the side API on one connection (stopping if it closes); all it answers."""
     with socket.create_connection(("127.0.0.1", int(broker.api_url.rsplit(":", 1)[1])), timeout=10) as sock:
