@@ -2,7 +2,7 @@
 
 It forwards with mitmproxy's own upstream side: no authorization, no route, no journal, no
 credential. Run like the broker (``python -O``, the same addons and options, the same GC
-tuning), it is the floor the broker's own work stands on, so a run can tell what the broker
+tuning, the same default event loop), it is the floor the broker's own work stands on, so a run can tell what the broker
 adds over mitmproxy apart from what mitmproxy itself costs.
 
     python -O bench/lean_master.py PORT CONFDIR UPSTREAM_CA
@@ -13,7 +13,7 @@ import sys
 
 from mitmproxy import options
 
-from proxy.app import lean_master, tune_gc
+from proxy.app import lean_master, loop_factory, tune_gc
 
 
 async def main(port: int, confdir: str, upstream_ca: str) -> None:
@@ -24,4 +24,5 @@ async def main(port: int, confdir: str, upstream_ca: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]), sys.argv[2], sys.argv[3]))
+    with asyncio.Runner(loop_factory=loop_factory("uvloop", None)) as runner:
+        runner.run(main(int(sys.argv[1]), sys.argv[2], sys.argv[3]))

@@ -17,8 +17,9 @@ from urllib.parse import quote
 from typing import Any, Callable
 
 import uvicorn
-from mitmproxy import options
+from mitmproxy import hooks, options
 from mitmproxy.addons import core, next_layer, proxyserver, tlsconfig
+from mitmproxy.addonmanager import AddonManager, traverse
 from mitmproxy.master import Master
 from ulid import ULID
 
@@ -372,10 +373,48 @@ def lean_master(opts: options.Options, *addons: Any, **settings: Any) -> Master:
     raced the first's listening socket under ``--workers``). The benchmark's ``lean`` target
     runs this master with no broker addon: the floor the broker's own work stands on."""
     master = Master(opts)
+    master.addons.__class__ = LeanAddons  # the same manager (its options listener stays), minus the empty walks
     _drop_legacy_log_bridge()
     master.addons.add(core.Core(), proxyserver.Proxyserver(), next_layer.NextLayer(), tlsconfig.TlsConfig(), *addons)
     opts.update(connection_strategy="lazy", upstream_cert=False, websocket=False, rawtcp=False, **settings)
     return master
+
+
+class LeanAddons(AddonManager):
+    """mitmproxy's addon manager, which skips a hook no addon implements instead of walking every
+    addon for it. mitmproxy follows every lifecycle hook of a flow (``requestheaders``,
+    ``request``, ``responseheaders``, ``response``, ...) with an ``update`` hook that only its
+    user interfaces listen to: on the broker's master about half of the hooks of every request."""
+
+    _implemented: dict[str, bool] | None = None
+
+    def register(self, addon: Any) -> Any:
+        self._implemented = None
+        return super().register(addon)
+
+    def add(self, *addons: Any) -> None:
+        super().add(*addons)
+        self._implemented = None
+
+    def remove(self, addon: Any) -> None:
+        super().remove(addon)
+        self._implemented = None
+
+    def clear(self) -> None:
+        super().clear()
+        self._implemented = None
+
+    def implements(self, name: str) -> bool:
+        known = self._implemented
+        if known is None:
+            known = self._implemented = {}
+        if name not in known:
+            known[name] = any(callable(getattr(a, name, None)) for a in traverse(self.chain))
+        return known[name]
+
+    async def trigger_event(self, event: hooks.Hook) -> None:
+        if self.implements(event.name):
+            await super().trigger_event(event)
 
 
 def _drop_legacy_log_bridge() -> None:
