@@ -62,6 +62,19 @@ def _problem(status: int, title: str, detail: str, headers: dict[str, str] | Non
     return JSONResponse(_problem_body(status, title, detail), status_code=status, media_type=MEDIA_TYPE, headers=headers)
 
 
+def _no_endpoint(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's answer for a path no endpoint has (404) or a method the path does not take
+    (405), as a problem document like every other error of the API."""
+    path = request.url.path
+    asked = f"{request.method} {path if len(path) <= 200 else path[:200] + '...'}"
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        return _problem(405, "Method Not Allowed", f"{asked}: this endpoint takes only {allowed}. See docs/api.md.",
+                        {"Allow": allowed})
+    return _problem(404, "Not Found", f"{asked}: the side API has no such endpoint (the paths are listed at "
+                    "/openapi.json and in docs/api.md; none ends with a slash).")
+
+
 # What each error answer means, for /openapi.json (docs/api.md says the same at more length).
 _ANSWERS = {
     400: "The body is not JSON text at all (not UTF-8, or nested too deeply to read): FastAPI's "
@@ -240,6 +253,9 @@ def create_app(
         title="Affidavit side API",
         version=VERSION,
         description="Recorded invocations and results of the Affidavit broker. See docs/api.md.",
+        # A path with a trailing slash is not an endpoint: a 404 problem document, not a redirect
+        # to another one (``/v1/invocations/%2F`` would have been sent to the listing).
+        redirect_slashes=False,
     )
     app.add_middleware(BodyLimit)
     tokens = {token.encode(): name for name, token in agent_tokens.items()}
@@ -274,6 +290,8 @@ def create_app(
         # 400: FastAPI could not parse the body at all (not UTF-8, nested too deeply).
         if exc.status_code == 400 and (refused := await _token_refusal(request)) is not None:
             return refused
+        if exc.status_code in (404, 405):  # only the router raises these; the handlers raise ApiError
+            return _no_endpoint(request, exc)
         return await http_exception_handler(request, exc)
 
     async def _journal_error(_request: Request, exc: Exception) -> JSONResponse:

@@ -377,6 +377,22 @@ def test_side_api_isolates_agents_and_hides_unknown_ids(broker: BrokerProcess, u
         assert _seen(api.get("/openapi.json")).status_code == 200
 
 
+def test_side_api_unknown_paths_and_methods_get_problem_documents(broker: BrokerProcess, upstream: HostileUpstream):
+    """No redirect to another endpoint (``%2F`` decodes to a trailing slash), no bare
+    ``{"detail": ...}``: the API's own errors are problem documents, token or not."""
+    for api_of in (broker.operator, lambda: broker.api("not-a-token")):
+        with api_of() as api:
+            for path in ("/v1/invocations/", "/v1/invocations/%2F", "/v1/invocations/act_x/result/", "/v1/nope"):
+                answer = _seen(api.get(path))
+                assert answer.status_code == 404, (path, answer.status_code, answer.headers.get("location"))
+                assert answer.headers["content-type"] == "application/problem+json", path
+                assert "no such endpoint" in answer.json()["detail"], answer.text
+            answer = _seen(api.delete("/v1/invocations"))
+            assert answer.status_code == 405 and answer.headers["allow"] == "GET"
+            assert answer.headers["content-type"] == "application/problem+json"
+            assert answer.json()["detail"] == "DELETE /v1/invocations: this endpoint takes only GET. See docs/api.md."
+
+
 def _no_traceback_since(broker: BrokerProcess, offset: int) -> None:
     logged = broker.logs()[offset:]
     assert "Traceback" not in logged, logged[-3000:]
