@@ -120,8 +120,9 @@ class BodyLimit:
     FastAPI reads a body whole into memory, and before it looks at the token: without this, anyone
     who reaches the port could make the broker, proxy and all, hold a body of any size. GET and
     HEAD pass untouched (no route reads their body; uvicorn stops reading one nobody asks for).
-    A body whose Content-Length is over the limit is refused by :class:`BoundedHead` before the
-    app is called; what reaches this is a body sent without one (chunked) that grows past it.
+    Under uvicorn :class:`BoundedHead` refuses such a body first (a declared one before the app
+    is called, a chunked one as it grows past the limit) and lingers; this stays for any other
+    server the app is mounted in.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -137,6 +138,8 @@ class BodyLimit:
         size = 0
         while True:  # what arrives without a Content-Length (chunked) is counted as it comes
             message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left, or the server refused the body itself: nobody to answer
             messages.append(message)
             if message["type"] != "http.request":
                 break
@@ -178,6 +181,7 @@ class BoundedHead(HttpToolsProtocol):
     the kernel answer with a reset instead."""
 
     _head_bytes = 0
+    _body_bytes = 0
     _in_head = True
     _refused = False
 
@@ -203,7 +207,7 @@ class BoundedHead(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         if self._refused:
             return  # a request pipelined behind the refused one
-        self._in_head, self._head_bytes = False, 0
+        self._in_head, self._head_bytes, self._body_bytes = False, 0, 0
         declared = next((value for name, value in self.headers if name == b"content-length"), b"")
         idle = self.cycle is None or self.cycle.response_complete  # no answer of an earlier request on its way
         if idle and declared.isdigit() and int(declared) > MAX_BODY and self.parser.get_method() not in (b"GET", b"HEAD"):
@@ -212,8 +216,19 @@ class BoundedHead(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
-        if not self._refused:
-            super().on_body(body)
+        if self._refused:
+            return
+        self._body_bytes += len(body)
+        if self._body_bytes > MAX_BODY and self.parser.get_method() not in (b"GET", b"HEAD") and self.cycle is not None:
+            # A body without a Content-Length (chunked) that grows past the limit: the app that
+            # waits for it is told the client left (it answers nothing), the 413 is written
+            # here, and the rest is read and dropped like the rest of a declared one.
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+            self.flow.resume_reading()
+            self._refuse(413, "Content Too Large", TOO_LARGE)
+            return
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
         if self._refused:

@@ -6,6 +6,7 @@ Runs once per journal dialect (SQLite and PostgreSQL) through the module-scoped 
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import os
 import socket
@@ -516,17 +517,22 @@ def test_an_oversized_api_body_is_refused_before_it_is_read(broker: BrokerProces
 
 def test_an_api_client_still_sending_an_oversized_body_reads_the_413_instead_of_a_reset(broker: BrokerProcess,
                                                                                     upstream: HostileUpstream):
-    """A client that sends its whole body before it reads (httpx, requests, curl without Expect)
+    """A client that sends its whole body (declared or chunked) before it reads (httpx, requests, curl without Expect)
     must find the 413 when it reads: the broker keeps reading and dropping what follows for a while,
     rather than closing on unread bytes, which makes the kernel answer with a reset."""
     size = 24 * 1024 * 1024  # more than loopback's socket buffers hold
-    for path in ("/v1/invocations/act_nope/reconcile", "/v1/approvals/act_nope"):
+    block = b"x" * (1024 * 1024)
+    declared = (f"Content-Length: {size}".encode(), block, b"")
+    chunked = (b"Transfer-Encoding: chunked", b"%x\r\n%s\r\n" % (len(block), block), b"0\r\n\r\n")
+    for path, (framing, each, end) in itertools.product(
+        ("/v1/invocations/act_nope/reconcile", "/v1/approvals/act_nope"), (declared, chunked)
+    ):
         with socket.create_connection(("127.0.0.1", int(broker.api_url.rsplit(":", 1)[1])), timeout=10) as sock:
-            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         f"Content-Length: {size}\r\n\r\n".encode())
-            block = b"x" * (1024 * 1024)
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+                         + framing + b"\r\n\r\n")
             for _ in range(size // len(block)):
-                sock.sendall(block)  # a reset here, or below, is the failure
+                sock.sendall(each)  # a reset here, or below, is the failure
+            sock.sendall(end)
             answer = b""
             while chunk := sock.recv(65536):
                 answer += chunk
