@@ -26,7 +26,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 from typing import Any, Awaitable, Callable, TypeVar
 
 from . import metrics
@@ -153,6 +153,11 @@ class AgentRequest:
     def header(self, name: str) -> str | None:
         name = name.lower()
         return next((v for k, v in self.headers if k.lower() == name), None)
+
+    def values_of(self, name: str) -> list[str] | None:
+        """Every value of header ``name``, in order, or None when it is absent."""
+        name = name.lower()
+        return [v for k, v in self.headers if k.lower() == name] or None
 
     def leave(self, disposition: CallerDisposition) -> None:
         """The agent stopped waiting; the first way it did so is the one kept."""
@@ -466,6 +471,8 @@ class Broker:
 
     def _preflight(self, matched: Route | Refusal, req: AgentRequest) -> tuple[Code, str] | None:
         """Checks that need no secret and no I/O; a refusal is ``validation/not_attempted``."""
+        if (malformed := malformed_request(req, self.settings.proxy.idempotency_header)) is not None:
+            return Code.MALFORMED_REQUEST, malformed
         if isinstance(matched, Refusal):
             return matched.code, matched.message
         route = matched
@@ -483,8 +490,8 @@ class Broker:
                 f"The request body is {len(req.body)} bytes; route '{route.name}' accepts at most {limit}. Nothing was sent. "
                 "Send a smaller body, or ask an operator to raise the route's max_body if this size is legitimate.",
             )
-        sent = req.header(route.inject.target_header) if route.inject is not None else None
-        if route.inject is not None and sent is not None and sent != route.inject.placeholder:
+        sent = req.values_of(route.inject.target_header) if route.inject is not None else None
+        if route.inject is not None and sent is not None and sent != [route.inject.placeholder]:
             return (
                 Code.FORBIDDEN_HEADER_OVERRIDE,
                 f"The request sets {route.inject.target_header}, which the broker injects for route "
@@ -1277,6 +1284,52 @@ async def _settled_or_released(
         task.remove_done_callback(poke)
         if timer is not None:
             timer.cancel()
+
+
+#: What may not appear anywhere in a header line or the request target: each would split the
+#: request written upstream (or be read differently by the upstream than by the broker).
+_SPLITTERS = ("\r", "\n", "\0")
+
+
+def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
+    """Why the request cannot be checked against the routes or sent as it is, or None.
+
+    * A line break or NUL in a header or the path would split the request written upstream.
+    * A ``.`` or ``..`` path segment (also percent-encoded, also behind an encoded slash) is
+      resolved by most upstreams (RFC 3986 section 5.2.4) to a path the route's ``path`` glob
+      never saw: ``/allowed/../admin`` would carry the route's credential to ``/admin``.
+    * An idempotency key must be one visible-ASCII value (a structured-field string): a second,
+      different key, or bytes that are not text, would bind the operation to something the agent
+      did not mean.
+    """
+    for name, value in req.headers:
+        if any(c in name or c in value for c in _SPLITTERS):
+            return (f"The request header {_shown(name)!r} holds a line break or a NUL byte, which would split the "
+                    "request sent upstream. Nothing was sent and no secret was touched. Send each header on one line.")
+    path = req.path.split("?", 1)[0]
+    if any(c in req.path for c in _SPLITTERS):
+        return ("The request target holds a line break or a NUL byte. Nothing was sent and no secret was touched. "
+                "Percent-encode it.")
+    for segment in path.split("/"):
+        decoded = unquote(segment, errors="surrogateescape")
+        if any(part in (".", "..") for part in decoded.replace("\\", "/").split("/")):
+            return (f"The request path {_shown(path)!r} has a '.' or '..' segment (perhaps percent-encoded), which the "
+                    "upstream may resolve to a path no route allows. Nothing was sent and no secret was touched. "
+                    "Send the path with those segments resolved.")
+    keys = req.values_of(idempotency_header) or []
+    if len(set(k.strip() for k in keys)) > 1:
+        return (f"The request has {len(keys)} different {idempotency_header} headers. Nothing was sent. Send one key: "
+                "it names one operation.")
+    if keys and not all(" " <= c <= "~" for c in keys[0].strip()):
+        return (f"The {idempotency_header} header holds characters other than visible ASCII (or bytes that are not "
+                "text). Nothing was sent. Use a key of letters, digits and punctuation, such as a UUID.")
+    return None
+
+
+def _shown(text: str, limit: int = 200) -> str:
+    """``text`` for a message: control characters escaped, long values cut."""
+    shown = text.encode("ascii", "backslashreplace").decode("ascii")
+    return shown if len(shown) <= limit else shown[:limit] + "..."
 
 
 def _asks_for_websocket(req: AgentRequest) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.conftest import BrokerFactory, standard_routes
 from tests.support.canaries import CANARIES
 from tests.support.broker import BrokerProcess
 from tests.support.envelopes import check_envelope
@@ -829,6 +830,59 @@ def test_requests_the_proxy_core_refuses_get_envelopes(broker: BrokerProcess, up
     assert (envelope["error"]["code"], envelope["error"]["outcome"], envelope["error"]["retry"]) == (code, "not_attempted", "after_correction")
     assert b"mitmproxy" not in body.lower() and b"twelve" not in body and b"NOT HTTP" not in body
     assert upstream.received == []
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"GET /h/../admin HTTP/1.1",  # /h/* would match; the upstream would serve /admin
+        b"GET /h/%2e%2E/admin HTTP/1.1",
+        b"GET /h/..%2fadmin HTTP/1.1",
+        b"GET /h/.%5C..%5cadmin HTTP/1.1",
+        b"GET /h/./ok HTTP/1.1",
+        b"GET /h/ok HTTP/1.1\r\nX-Note: a\rb",
+        b"GET /h/ok HTTP/1.1\r\nX-Note: a\x00b",
+        b"POST /h/ok HTTP/1.1\r\nIdempotency-Key: z\xff\xfe",
+        b"POST /h/ok HTTP/1.1\r\nIdempotency-Key: \xd0\xba\xd0\xbb\xd1\x8e\xd1\x87-1",
+        b"POST /h/ok HTTP/1.1\r\nIdempotency-Key: one\r\nIdempotency-Key: two",
+    ],
+)
+def test_requests_that_would_reach_another_path_or_split_are_malformed_before_any_secret(
+    broker: BrokerProcess, upstream: HostileUpstream, head: bytes
+):
+    """Dot-segments (raw or percent-encoded, behind an encoded slash or backslash) would let an
+    upstream that resolves them serve a path the route's glob never saw, with the route's
+    credential; a line break or NUL would split the request; a key that is not one visible-ASCII
+    value names no operation the agent can repeat. Each is the agent's to correct."""
+    request = head + b"\r\nHost: api.payments.test\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    answer = _through_tunnel(broker, request)
+    head_of_answer, _, body = answer.partition(b"\r\n\r\n")
+    assert head_of_answer.startswith(b"HTTP/1.1 400"), answer[:400]
+    envelope = check_envelope(body)
+    SEEN.append(json.dumps(envelope))
+    error = envelope["error"]
+    assert (error["code"], error["phase"], error["outcome"], error["retry"]) == (
+        "MALFORMED_REQUEST", "validation", "not_attempted", "after_correction"), error
+    assert "Nothing was sent" in error["message"]
+    kinds = [e["kind"] for e in broker.invocation(envelope["invocation_id"])["events"]]
+    assert "CREDENTIAL_AUTHORIZED" not in kinds and "DISPATCH_STARTED" not in kinds, kinds
+    assert upstream.received == []
+
+
+def test_a_second_value_of_the_injected_header_is_an_override(make_broker: BrokerFactory, upstream: HostileUpstream):
+    """The placeholder is the one value the agent may send; a second line of the header is not
+    silently dropped while the secret goes out."""
+    routes = standard_routes(upstream)
+    routes[0]["inject"]["placeholder"] = "Bearer placeholder"
+    broker = make_broker("sqlite", routes=routes)
+    request = (b"GET /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nAuthorization: Bearer placeholder\r\n"
+               b"Authorization: Bearer mine\r\nConnection: close\r\n\r\n")
+    head, _, body = _through_tunnel(broker, request).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 403"), head
+    assert check_envelope(body)["error"]["code"] == "FORBIDDEN_HEADER_OVERRIDE"
+    assert upstream.received == []
+    with broker.client() as client:  # the placeholder alone still goes through, with the secret
+        assert _seen(client.get(f"{PAYMENTS}/h/ok", headers={"Authorization": "Bearer placeholder"})).status_code == 200
 
 
 def test_an_endless_request_head_is_refused_on_the_proxy_port(broker: BrokerProcess, upstream: HostileUpstream):
