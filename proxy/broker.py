@@ -706,15 +706,23 @@ class Broker:
                 "request; the approval authorises nothing new. Nothing was sent.",
                 request_fingerprint,
             )
-        holder_alive = await _read(leases.owner_alive(self.journal.engine, row["owner"], self.settings.recovery.stale_after))
+        holder = row["owner"] or ""
+        # An earlier incarnation of this broker is dead (this one holds its port), however fresh
+        # its last heartbeat; any other holder is alive until its heartbeat goes stale.
+        earlier_self = holder != self.owner and holder.rpartition("/")[0] == self.owner.rpartition("/")[0]
+        holder_alive = not earlier_self and await _read(
+            leases.owner_alive(self.journal.engine, holder, self.settings.recovery.stale_after))
         now = utcnow()
         until = now + timedelta(seconds=max(self.settings.proxy.retry_lease, route.approval_timeout))
         if holder_alive or not await _read(leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until)):
-            return self._repeat_envelope(
-                row, record, Code.APPROVAL_REQUIRED,
-                f"Invocation {row['invocation_id']} is waiting for an operator's approval. Nothing was sent. "
-                "Ask again later.",
-            )
+            if record.stage is Stage.APPROVED:
+                message = (f"Invocation {row['invocation_id']} is approved, and a running broker process that holds it "
+                           "is about to send it. Nothing was sent for this request. Ask again later, or GET "
+                           "/v1/invocations/{id}.")
+            else:
+                message = (f"Invocation {row['invocation_id']} is waiting for an operator's approval. Nothing was "
+                           "sent. Ask again later.")
+            return self._repeat_envelope(row, record, Code.APPROVAL_REQUIRED, message)
         # The broker that held it stopped: continue its attempt here, under a lease.
         entry = InvocationLog(self.journal, identity_of(row), self.owner, record=record, persisted=True,
                               generation=row["generation"] + 1)

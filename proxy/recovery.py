@@ -15,7 +15,9 @@ Recovery appends; it never rewrites. What it appends follows the contract:
   record says ``retry=fetch_result``.
 
 The caller's wait ended with the broker: ``CALLER_CANCELLED(disconnected)`` first, if the
-record still shows it waiting. Held approvals are left alone: they survive restarts.
+record still shows it waiting. Held approvals are left alone: they survive restarts, and so does
+an approval nobody has acted on yet (stage ``approved``: nothing was sent, no secret touched);
+the agent's repeat with the same key is sent under it.
 """
 
 from __future__ import annotations
@@ -39,11 +41,11 @@ from .store.schema import brokers, invocations
 
 log = logging.getLogger("affidavit.recovery")
 
-#: Stages a live broker may leave a record in; HELD (awaiting approval) is deliberately absent.
+#: Stages a live broker may leave a record in; HELD (awaiting approval) and APPROVED (a grant
+#: not yet acted on) are deliberately absent: both wait for the agent's repeat, across restarts.
 IN_FLIGHT = (
     Stage.ACCEPTED,
     Stage.VALIDATED,
-    Stage.APPROVED,
     Stage.AUTHORIZED,
     Stage.DISPATCHED,
     Stage.SENT,

@@ -213,6 +213,31 @@ def wait_for_card(broker: BrokerProcess, predicate=lambda card: True, timeout: f
     raise AssertionError("no approval card appeared")
 
 
+def test_an_approval_given_after_a_restart_waits_for_the_agents_repeat(make_broker, upstream):
+    """Nobody waits for the card once its broker restarted; the approval is recorded and kept
+    (recovery sweeps leave it alone), and the agent's repeat with the same key, even right after
+    the restart, is sent under it: once, without a second card."""
+    broker = make_broker("postgresql", routes=control_routes(upstream), recovery={"sweep_every": "0.2s"})
+    key = "deploy_" + secrets.token_hex(6)
+    Held(broker, b'{"deploy":"v48"}', key=key, timeout=5)
+    card = wait_for_card(broker)
+    broker.kill()
+    broker.start()
+    out = cli(broker, "approvals", "approve", card["invocation_id"])
+    assert "approved" in out, out
+    time.sleep(1.5)  # several recovery sweeps of this incarnation, which knows its predecessor is dead
+    kinds = [e["kind"] for e in broker.invocation(card["invocation_id"])["events"]]
+    assert kinds[-1] == "APPROVAL_GRANTED", kinds
+    with broker.client(timeout=10) as client:
+        response = client.post(HELD + "/h/status?code=201", content=b'{"deploy":"v48"}', headers={"Idempotency-Key": key})
+    assert response.status_code == 201, response.text
+    assert response.headers["affidavit-invocation-id"] == card["invocation_id"]
+    assert len(sent(upstream)) == 1 and json.loads(sent(upstream)[0].body) == {"deploy": "v48"}
+    kinds = [e["kind"] for e in broker.invocation(card["invocation_id"])["events"]]
+    assert kinds.count("APPROVAL_REQUESTED") == 1 and kinds.count("DISPATCH_STARTED") == 1, kinds
+    assert "FAILED" not in kinds, kinds
+
+
 def test_an_approved_request_goes_through_and_the_card_says_exactly_what(broker, upstream):
     body = b'{"deploy":"v42"}'
     held = Held(broker, body)
