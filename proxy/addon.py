@@ -153,14 +153,14 @@ def install_core_refusals(body_limit: int) -> None:
     an envelope (400) and a close, the way mitmproxy ends a request head it cannot parse. Pinned by
     tests/test_broker_e2e.py::test_request_trailers_are_refused_over_either_http_version.
 
-    An HTTP/1 request head that grows past :data:`MAX_REQUEST_HEAD` without ending is refused
+    An HTTP/1 request head longer than :data:`MAX_REQUEST_HEAD`, whole or still growing, is refused
     (431) and its connection closed: ``Http1Server.read_headers`` is wrapped here, since mitmproxy
     would otherwise hold it whole, from anyone who can reach the port, before any credential is
     looked at. Pinned by tests/test_broker_e2e.py::test_an_endless_request_head_is_refused_on_the_proxy_port.
     """
     from h11 import EndOfMessage, ProtocolError
     from mitmproxy.net.http.http1 import assemble_response
-    from mitmproxy.proxy import commands
+    from mitmproxy.proxy import commands, events
     from mitmproxy.proxy.layers.http import (
         RequestProtocolError,
         ResponseData,
@@ -261,15 +261,21 @@ def install_core_refusals(body_limit: int) -> None:
     read_headers = getattr(_http1.Http1Server.read_headers, "__wrapped__", _http1.Http1Server.read_headers)
 
     def http1_read_headers(self: _http1.Http1Server, event: Any) -> Any:
+        # Judged before mitmproxy sees the bytes: a head that arrives whole in one read is parsed
+        # (and its request handled) in the same step, so a check afterwards only sees heads that
+        # have not ended yet.
+        if isinstance(event, events.DataReceived) and len(self.buf) + len(event.data) > MAX_REQUEST_HEAD:
+            pending = bytes(self.buf) + event.data
+            ends = [i for i in (pending.find(b"\n\r\n"), pending.find(b"\n\n")) if i >= 0]
+            if (min(ends) if ends else len(pending)) > MAX_REQUEST_HEAD and self.conn.state & ConnectionState.CAN_WRITE:
+                response = refusal(431)
+                assert response is not None
+                response.headers["Connection"] = "close"
+                yield commands.SendData(self.conn, assemble_response(response))
+                yield commands.CloseConnection(self.conn)
+                self.state = self.done
+                return
         yield from read_headers(self, event)
-        waiting = getattr(self.state, "__func__", None) is http1_read_headers  # no head has ended yet
-        if waiting and len(self.buf) > MAX_REQUEST_HEAD and self.conn.state & ConnectionState.CAN_WRITE:
-            response = refusal(431)
-            assert response is not None
-            response.headers["Connection"] = "close"
-            yield commands.SendData(self.conn, assemble_response(response))
-            yield commands.CloseConnection(self.conn)
-            self.state = self.done
 
     handle_event = getattr(_http2.Http2Server._handle_event, "__wrapped__", _http2.Http2Server._handle_event)
 

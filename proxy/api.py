@@ -192,9 +192,12 @@ class BoundedHead(HttpToolsProtocol):
             self._head_bytes += len(data)
         super().data_received(data)
         if self._in_head and self._head_bytes > MAX_HEAD and not self._refused and not self.transport.is_closing():
-            log.warning("side API: refused a request head over %d bytes from %s", MAX_HEAD, (self.client or ("?",))[0])
-            self._refuse(431, "Request Header Fields Too Large", f"The request line and headers are over {MAX_HEAD} "
-                         "bytes; nothing was read or changed. Send the request docs/api.md describes.")
+            self._refuse_head()
+
+    def _refuse_head(self) -> None:
+        log.warning("side API: refused a request head over %d bytes from %s", MAX_HEAD, (self.client or ("?",))[0])
+        self._refuse(431, "Request Header Fields Too Large", f"The request line and headers are over {MAX_HEAD} "
+                     "bytes; nothing was read or changed. Send the request docs/api.md describes.")
 
     def _refuse(self, status: int, title: str, detail: str) -> None:
         self._refused = True
@@ -207,6 +210,10 @@ class BoundedHead(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         if self._refused:
             return  # a request pipelined behind the refused one
+        # A head that arrived whole in one read is only seen here: measure what was parsed.
+        if len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > MAX_HEAD:
+            self._refuse_head()
+            return
         self._in_head, self._head_bytes, self._body_bytes = False, 0, 0
         declared = next((value for name, value in self.headers if name == b"content-length"), b"")
         idle = self.cycle is None or self.cycle.response_complete  # no answer of an earlier request on its way

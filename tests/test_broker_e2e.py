@@ -570,6 +570,11 @@ def test_an_oversized_api_request_head_is_refused_and_the_connection_closed(brok
     assert json.loads(body)["status"] == 431 and "65536" in json.loads(body)["detail"]
     long_url = _api_raw(broker, [b"GET /healthz?" + b"q" * (256 * 1024)])
     assert long_url.startswith(b"HTTP/1.1 431"), long_url[:300]
+    # A whole head just over the bound, sent at once (parsed in one read), with or without a token.
+    for auth in (b"", b"Authorization: Bearer " + broker.operator_token.encode() + b"\r\n"):
+        for extra in (b"X-Big: " + b"a" * 66000 + b"\r\n", b"".join(b"X-%d: v\r\n" % i for i in range(9000))):
+            whole = _api_raw(broker, [b"GET /v1/invocations HTTP/1.1\r\nHost: x\r\n" + auth + extra + b"\r\n"])
+            assert whole.startswith(b"HTTP/1.1 431"), whole[:300]
     # Below the bound, and a body in the same read as the head, are answered as before.
     fine = _api_raw(broker, [b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 60000 + b"\r\nConnection: close\r\n\r\n"])
     assert fine.startswith(b"HTTP/1.1 200"), fine[:300]
@@ -812,6 +817,10 @@ def _h2_request(
         # A head past 64 KiB that has not ended (mitmproxy would hold it whole, however long).
         ("plain", b"GET http://plain.example.test/h/ok HTTP/1.1\r\nX-Big: " + b"a" * (66 * 1024), 431, "MALFORMED_REQUEST"),
         ("tunnel", b"GET /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nX-Big: " + b"a" * (66 * 1024), 431, "MALFORMED_REQUEST"),
+        # The same heads, ended: sent whole, each arrives in a read or two and must not be served.
+        ("plain", b"GET http://plain.example.test/h/ok HTTP/1.1\r\nX-Big: " + b"a" * (66 * 1024) + b"\r\n\r\n", 431, "MALFORMED_REQUEST"),
+        ("tunnel", b"GET /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nX-Big: " + b"a" * (66 * 1024) + b"\r\n\r\n", 431, "MALFORMED_REQUEST"),
+        ("plain", b"GET http://plain.example.test/h/ok?" + b"q" * (100 * 1024) + b" HTTP/1.1\r\n\r\n", 431, "MALFORMED_REQUEST"),
     ],
 )
 def test_requests_the_proxy_core_refuses_get_envelopes(broker: BrokerProcess, upstream: HostileUpstream, path, request_bytes, status, code):
