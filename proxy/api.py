@@ -278,6 +278,10 @@ def create_app(
         # A path with a trailing slash is not an endpoint: a 404 problem document, not a redirect
         # to another one (``/v1/invocations/%2F`` would have been sent to the listing).
         redirect_slashes=False,
+        # No browsable documentation pages: they would be served to anyone without a token and
+        # load their scripts from a CDN. The schema stays at /openapi.json (docs/api.md).
+        docs_url=None,
+        redoc_url=None,
     )
     app.add_middleware(BodyLimit)
     tokens = {token.encode(): name for name, token in agent_tokens.items()}
@@ -526,7 +530,8 @@ def create_app(
         code: Annotated[Code | None, Query(description="a code; anything else is a 422")] = None,
         agent: Annotated[str | None, Query(pattern=_NO_NUL)] = None,
         since_hours: Annotated[float | None, Query(gt=0)] = None,
-        before: Annotated[str | None, Query(pattern=_NO_NUL, description="page: the last invocation_id of the previous page")] = None,
+        before: Annotated[str | None, Query(pattern=_INVOCATION_ID, description="page: the last invocation_id of the previous "
+                                            "page (the `next` of that page); anything else is a 422")] = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
     ) -> dict[str, Any]:
         since = queries.window_start(since_hours * 3600) if since_hours else None
@@ -547,6 +552,8 @@ def create_app(
 #: A text filter may hold anything but NUL: no stored name or id holds one, and PostgreSQL refuses
 #: to compare one (a 500 instead of an answer).
 _NO_NUL = r"^[^\x00]*$"
+#: What the broker names invocations: ``act_`` and a ULID (Crockford base32, 26 characters).
+_INVOCATION_ID = r"^act_[0-9A-HJKMNP-TV-Z]{26}$"
 
 
 def _finite(value: Any) -> Any:

@@ -22,6 +22,7 @@ from sqlalchemy import text
 from .contract import Code, Outcome, Phase
 from .config import DEFAULT_CONFIG, ConfigError, Settings, load_settings, parse_duration
 from .crypto import KeyRing, payload_decoder, result_decoder
+from .decisions import RECONCILABLE
 from .invocation_view import describe
 from .store import queries
 from .store.journal import on_engine
@@ -124,7 +125,7 @@ def invocations_list(
     phase: Optional[str] = None,
     code: Optional[str] = None,
     since: Annotated[str, typer.Option(help="Time window, e.g. 1h, 24h, 7d.")] = "24h",
-    limit: int = 50,
+    limit: Annotated[int, typer.Option(min=1, max=500, help="At most this many rows, newest first.")] = 50,
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines instead of a table.")] = False,
 ) -> None:
     """The newest invocations, filtered."""
@@ -353,6 +354,13 @@ def reconcile(
         "(say, it refunded); refused without this.")] = False,
 ) -> None:
     """Append what is known about an invocation's effect; its original record stays as it was."""
+    findings = [o.value for o in RECONCILABLE]
+    if outcome is not None and outcome not in findings:
+        raise typer.BadParameter(f"{outcome!r} is not a finding; one of: {', '.join(findings)} (a reconciliation "
+                                 "says what happened, so never not_attempted or unknown)", param_hint="--outcome")
+    if outcome is None and not lookup:
+        raise typer.BadParameter(f"say what happened ({', '.join(findings)}), or ask the remote with --lookup",
+                                 param_hint="--outcome")
     settings = settings_or_exit(config)
     body = {"outcome": outcome, "reference": reference, "note": note, "lookup": lookup}
     if override:  # only when asked: a broker from before the field refuses unknown fields

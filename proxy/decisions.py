@@ -92,6 +92,19 @@ async def reconcile(
         data["override"] = True
 
     def against_the_answer(record: Record) -> None:
+        if record.stage is Stage.ENDED_NOT_ATTEMPTED:
+            raise DecisionRefused(
+                409,
+                f"invocation {row['invocation_id']} was never sent: it stopped before the dispatch boundary "
+                f"(outcome not_attempted, code {record.code.value if record.code else '-'}), so it had no remote "
+                "effect and there is nothing to reconcile. Nothing was changed.",
+            )
+        if not record.ended and record.stage is not Stage.COMMITTED:
+            raise DecisionRefused(
+                409,
+                f"invocation {row['invocation_id']} is still in progress (stage {record.stage.value}). Nothing was "
+                "changed. Reconcile it once it has ended (GET /v1/invocations/{id}).",
+            )
         overturned = contradicted_answer(record, outcome)
         if overturned is not None and not override:
             held = "says" if record.reconciled_outcome is None else "was answered, and a later finding made it"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import threading
 import time
@@ -112,10 +113,29 @@ def test_a_reconciliation_cannot_claim_not_attempted_or_touch_an_undispatched_re
         bad = api.post(f"/v1/invocations/{unknown}/reconcile", json={"outcome": "not_attempted"})
         assert bad.status_code == 422
         early = api.post(f"/v1/invocations/{refused}/reconcile", json={"outcome": "committed"})
-        assert early.status_code == 409 and "cannot take RECONCILED" in early.json()["detail"]
+        assert early.status_code == 409, early.text
+        assert "was never sent" in early.json()["detail"] and "nothing to reconcile" in early.json()["detail"], early.text
+        assert "INVALID_TARGET" in early.json()["detail"]
     with broker.api() as agent_api:
         assert agent_api.post(f"/v1/invocations/{unknown}/reconcile", json={"outcome": "committed"}).status_code == 403
     assert broker.invocation(unknown)["outcome"] == "unknown"
+
+
+def test_the_cli_refuses_a_finding_that_is_none_before_it_asks_the_broker(broker, upstream):
+    """A usage error (exit 2) that names the choices, not the API's 422 as a Python repr."""
+    for args, says in ((["--outcome", "unknown"], "is not a finding"), (["--outcome", "not_attempted"], "is not a finding"),
+                       ([], "--lookup")):
+        done = broker.command("reconcile", "act_01M8TRTD8RSQZTD7JJN9HZ5237", *args)
+        err = " ".join(re.sub("[\u2500-\u257f]", " ", done.stderr.decode()).split())  # rich's box, unwrapped
+        assert done.returncode == 2 and says in err and "committed, rejected, partial_effect" in err, err
+        assert "literal_error" not in err and "lookup=true" not in err, err
+    for limit in ("0", "-5", "501"):
+        done = broker.command("invocations", "list", "--limit", limit)
+        assert done.returncode == 2 and "--limit" in done.stderr.decode(), done.stderr.decode()
+    with broker.operator() as api:
+        for before in ("", "garbage", "act_nope"):
+            answer = api.get("/v1/invocations", params={"before": before})
+            assert answer.status_code == 422, (before, answer.text)
 
 
 def test_a_finding_against_a_complete_response_is_refused_unless_it_says_override(broker, upstream):
