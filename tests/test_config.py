@@ -378,3 +378,15 @@ def test_a_missing_ca_bundle_and_a_doubled_key_id_are_named_once(tmp_path, monke
         load_settings()
     assert "crypto.keys: the name 'k' is used twice" in str(refused.value)
     assert "crypto.keys: crypto.keys" not in str(refused.value)
+
+
+def test_reading_a_journal_that_was_never_upgraded_says_to_upgrade_it(make_broker, request, tmp_path):
+    """A PostgreSQL database the broker never migrated (`auto_upgrade` is off there): the read
+    commands say what to run, not only that a relation does not exist."""
+    from tests.conftest import database_url
+
+    broker = make_broker("postgresql", start=False, db_url=database_url("postgresql", tmp_path, request))
+    for args in (("invocations", "list"), ("metrics",), ("invocations", "show", "act_01M8TRTD8RSQZTD7JJN9HZ5237")):
+        done = broker.command(*args)
+        err = done.stderr.decode()
+        assert done.returncode == 1 and "does not exist" in err and "run `affidavit db upgrade`" in err, (args, err)
