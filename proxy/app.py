@@ -66,8 +66,9 @@ def resolve_tokens(settings: Settings) -> tuple[dict[str, str], str | None]:
     return tokens, operator
 
 
-def prepare_database(settings: Settings) -> None:
-    """SQLite (the embedded default) upgrades itself; PostgreSQL only when asked to."""
+def prepare_database(settings: Settings, *, nothing: str = "Nothing was started", then: str = "start again") -> None:
+    """SQLite (the embedded default) upgrades itself; PostgreSQL only when asked to. ``nothing``
+    and ``then`` finish the message of an unusable database for the command that asks."""
     auto = settings.database.auto_upgrade
     if auto is None:
         auto = settings.database.is_sqlite
@@ -78,8 +79,8 @@ def prepare_database(settings: Settings) -> None:
         current = migrate.current(settings.database.url)
     except Exception as exc:  # the database cannot be reached or used: one line, not a traceback
         raise StartupError(
-            f"database.url {redact_url(settings.database.url)}: {brief(exc)}. Nothing was started; check that the "
-            "database is up and reachable with this URL, then start again."
+            f"database.url {redact_url(settings.database.url)}: {brief(exc)}. {nothing}; check that the "
+            f"database is up and reachable with this URL, then {then}."
         ) from None
     if current is not None and not migrate.known(current):
         raise ConfigError(

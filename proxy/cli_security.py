@@ -104,13 +104,13 @@ def _store(ctx: typer.Context, config: Path | None, name: str, verb: str) -> Non
         ring = KeyRing.from_settings(settings.crypto)
         # The schema as `affidavit run` would have it: a new SQLite journal is created and
         # upgraded (the vault lives in it); PostgreSQL must have been upgraded already.
-        prepare_database(settings)
+        prepare_database(settings, nothing="Nothing was stored", then="run the command again")
         store = vault.rotate if verb == "rotate" else vault.put
         version = _with_engine(settings.database.url, lambda engine: store(engine, ring, name, value))
     except ConfigError as exc:
         _fail(str(exc), 2)
     except StartupError as exc:
-        _fail(f"{exc}; nothing was stored")
+        _fail(str(exc))
     except CredentialUnavailable as exc:
         _fail(f"{exc.message} ({exc.code.value}); nothing was stored")
     except ValueError as exc:

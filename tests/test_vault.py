@@ -331,3 +331,19 @@ def test_secrets_set_on_a_new_sqlite_journal_creates_it_as_the_broker_would(tmp_
     assert done.stdout.strip() == "affidavit: stored payments-key v1"
     listed = run_cli("secrets_app", "list", "-c", str(config), cwd=workdir, env=cli_env(key))
     assert "payments-key: v1" in listed.stdout, listed.stderr
+
+
+def test_secrets_set_with_the_database_down_says_nothing_was_stored_and_to_run_it_again(tmp_path: Path):
+    """The broker's start-up words ("Nothing was started ... start again") are not this command's."""
+    from tests.support.broker import free_port
+
+    workdir = tmp_path / "down"
+    workdir.mkdir()
+    config = write_config(workdir, f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/nowhere")
+    value = canary()
+    done = run_cli("secrets_app", "set", "payments-key", "-c", str(config), cwd=workdir, env=cli_env(generate_key()),
+                   stdin=value)
+    assert done.returncode == 1, done.stderr
+    assert "Nothing was stored; check that the database is up" in done.stderr and "run the command again" in done.stderr
+    assert "started" not in done.stderr and "start again" not in done.stderr and ".;" not in done.stderr, done.stderr
+    assert value not in done.stdout + done.stderr
