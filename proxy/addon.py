@@ -15,6 +15,7 @@ import functools
 import hmac
 import logging
 import time
+import weakref
 from http import HTTPStatus
 from typing import Any, Callable
 from mitmproxy import http
@@ -321,18 +322,84 @@ def install_caller_watch(addon: "BrokerAddon") -> None:
     tests/test_human_control.py (and the HTTP/1 ones there), so an upgrade that moves it fails.
     """
     from mitmproxy.proxy.layers.http import HttpStream, RequestProtocolError
+    from mitmproxy.proxy.layers.http._http2 import Http2Server
 
     handle_event = getattr(HttpStream.handle_event, "__wrapped__", HttpStream.handle_event)
 
     def stream_handle_event(self: HttpStream, event: Any) -> Any:
-        if isinstance(event, RequestProtocolError):
-            flow = getattr(self, "flow", None)  # set with the request's headers
-            if flow is not None:
+        flow = getattr(self, "flow", None)  # set with the request's headers
+        if flow is not None:
+            # Which stream of its connection answers this flow: a handover (below) looks for
+            # what of its response still waits in the HTTP/2 connection's buffers.
+            flow.metadata.setdefault(_STREAM_ID, self.stream_id)
+            if isinstance(event, RequestProtocolError):
                 addon.caller_left(flow)
         return (yield from handle_event(self, event))
 
+    server_init = getattr(Http2Server.__init__, "__wrapped__", Http2Server.__init__)
+
+    def http2_server_init(self: Any, context: Any) -> None:
+        server_init(self, context)
+        _HTTP2_SERVERS[context.client.id] = self
+
     stream_handle_event.__wrapped__ = handle_event  # type: ignore[attr-defined]
+    http2_server_init.__wrapped__ = server_init  # type: ignore[attr-defined]
     HttpStream.handle_event = stream_handle_event  # type: ignore[method-assign]
+    Http2Server.__init__ = http2_server_init  # type: ignore[method-assign]
+
+
+_STREAM_ID = "affidavit.stream_id"
+_LEFT = "affidavit.stream_reset"  # the agent reset this flow's HTTP/2 stream (its connection goes on)
+#: The HTTP/2 connection of each agent connection that speaks it (gone with the connection).
+_HTTP2_SERVERS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
+
+
+class Handover:
+    """Whether a response written to an agent's connection has left the broker whole.
+
+    mitmproxy hands a response to the connection's transport at once, but a large one (or one an
+    HTTP/2 agent's flow-control window does not admit) waits in the transport's buffer or in the
+    HTTP/2 connection's per-stream buffers until the agent reads. ``RESULT_DELIVERED`` is recorded
+    only when every byte has been handed to the agent's socket (what a proxy can know: the kernel
+    does not say what the agent read); a connection that ends first is a failed delivery. Found
+    through mitmproxy's proxyserver addon, which keeps each agent connection's handler."""
+
+    def __init__(self, connections: Any):
+        self._connections = connections  # mitmproxy's Proxyserver.connections: client id -> handler
+        self._unsure = False
+
+    def watch(self, flow: http.HTTPFlow) -> Callable[[], bool | None]:
+        """A check to call now and later: None while bytes of ``flow``'s response wait in the
+        broker, True once all have left, False if the connection ended before they did."""
+        client = flow.client_conn
+        handler = self._connections.get(client.id)
+        if handler is None and client.timestamp_end is None:
+            # Open, yet unknown to mitmproxy's proxyserver: its bookkeeping is not what this
+            # expects (another mitmproxy version). Written counts as delivered then, as before.
+            if not self._unsure:
+                self._unsure = True
+                log.warning("cannot see whether responses leave the broker whole (mitmproxy's proxyserver does not "
+                            "list this connection); a written response is recorded as delivered")
+            return lambda: True
+        io = handler.transports.get(client) if handler is not None else None
+        writer = getattr(io, "writer", None)
+        transport = getattr(writer, "transport", None)
+        reader = getattr(io, "reader", None)
+        http2 = _HTTP2_SERVERS.get(client.id)
+        stream_id = flow.metadata.get(_STREAM_ID)
+
+        def check() -> bool | None:
+            if transport is None or flow.metadata.get(_LEFT):
+                return False  # gone before the response was written, or the agent reset its stream
+            if reader is not None and reader.exception() is not None:
+                return False  # the connection broke (a reset) before every byte had left
+            if http2 is not None and stream_id is not None and http2.h2_conn.stream_buffers.get(stream_id):
+                return False if transport.is_closing() else None  # frames its window does not admit yet
+            if transport.get_write_buffer_size() > 0:
+                return None  # still in the transport's buffer (also while it closes after the answer)
+            return True  # every byte is with the agent's socket
+
+        return check
 
 
 def _how_left(flow: http.HTTPFlow) -> CallerDisposition:
@@ -423,8 +490,18 @@ class BrokerAddon:
         self._on_running = on_running
         self._live: dict[str, AgentRequest] = {}
         self._unsent: dict[str, Reply] = {}
+        #: Set once mitmproxy's proxyserver is known (:meth:`running`); without it, a response
+        #: counts as delivered once written, as mitmproxy's own hooks see it.
+        self.handover: Handover | None = None
 
     def running(self) -> None:
+        from mitmproxy import ctx
+
+        proxyserver = ctx.master.addons.get("proxyserver")
+        if proxyserver is not None and isinstance(getattr(proxyserver, "connections", None), dict):
+            self.handover = Handover(proxyserver.connections)
+        else:
+            log.warning("mitmproxy's proxyserver keeps no connections here: deliveries are recorded once written")
         if self._on_running is not None:
             self._on_running()
 
@@ -491,18 +568,25 @@ class BrokerAddon:
         record: Callable[[], None] | None = reply.delivered
         if flow.error is not None or flow.client_conn.timestamp_end is not None:
             record = reply.undelivered and functools.partial(reply.undelivered, _how_left(flow))
-        if record is not None:
+        if record is not None and record is reply.delivered and self.handover is not None:
             # mitmproxy writes the response as soon as this hook returns, in the same step of the
-            # event loop; recording it afterwards takes that work off the caller's wait.
+            # event loop; looking afterwards takes that work off the caller's wait, and sees
+            # whether it all left at once (a small answer) or waits for the agent to read.
+            check = self.handover.watch(flow)
+            asyncio.get_running_loop().call_soon(_when_handed_over, check, reply, flow, 0.0)
+        elif record is not None:
             asyncio.get_running_loop().call_soon(_record_delivery, record, reply.invocation_id)
 
     def caller_left(self, flow: http.HTTPFlow) -> None:
         """The agent abandoned ``flow`` (see :func:`install_caller_watch`); if the broker is
         still handling it, the broker stops waiting for the agent's sake, as when an agent goes."""
         try:
+            how = _how_left(flow)
+            if how is CallerDisposition.CANCELLED:  # an HTTP/2 stream reset: it wants no more of this one
+                flow.metadata[_LEFT] = True
             req = self._live.get(flow.id)
             if req is not None:
-                req.leave(_how_left(flow))
+                req.leave(how)
         except Exception:
             log.exception("could not note that a caller left")
 
@@ -515,6 +599,24 @@ class BrokerAddon:
         except Exception:
             log.exception("could not record a caller's disconnect")
 
+
+
+def _when_handed_over(check: Callable[[], bool | None], reply: Reply, flow: http.HTTPFlow, waited: float) -> None:
+    """Record the delivery once the response has all left (see :class:`Handover`), or its failure."""
+    try:
+        handed = check()
+    except Exception:  # never lose the delivery fact over this: recorded as written, as before
+        log.exception("could not see whether the response of %s left whole; recorded as delivered", reply.invocation_id)
+        handed = True
+    if handed is None:  # the agent reads slowly (or not at all): look again, less often over time
+        pause = min(0.005 + waited / 10, 0.5)
+        asyncio.get_running_loop().call_later(pause, _when_handed_over, check, reply, flow, waited + pause)
+        return
+    if handed:
+        _record_delivery(reply.delivered, reply.invocation_id)  # type: ignore[arg-type]
+    elif reply.undelivered is not None:
+        how = CallerDisposition.CANCELLED if flow.metadata.get(_LEFT) else CallerDisposition.DISCONNECTED
+        _record_delivery(functools.partial(reply.undelivered, how), reply.invocation_id)
 
 
 def _record_delivery(record: Callable[[], None], invocation_id: str | None) -> None:

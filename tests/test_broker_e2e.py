@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import ssl
+import struct
 import subprocess
 import sys
 import time
@@ -893,6 +894,89 @@ def test_a_second_value_of_the_injected_header_is_an_override(make_broker: Broke
     assert upstream.received == []
     with broker.client() as client:  # the placeholder alone still goes through, with the secret
         assert _seen(client.get(f"{PAYMENTS}/h/ok", headers={"Authorization": "Bearer placeholder"})).status_code == 200
+
+
+BIG = 8 * 1024 * 1024  # more than the kernel's socket buffers and an HTTP/2 window hold
+
+
+def _big_over_http1(broker: BrokerProcess, read_all: bool) -> tuple[str, int]:
+    """GET a large answer on the plain route with a small receive buffer: read it whole, or read
+    its head only and reset the connection a second later. (invocation id, body bytes read)"""
+    basic = base64.b64encode(f"builder:{broker.agents['builder'].token}".encode())
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", broker.proxy_port))
+    sock.sendall(b"GET http://plain.example.test/h/big?bytes=%d HTTP/1.1\r\nHost: plain.example.test\r\n"
+                 b"Proxy-Authorization: Basic %s\r\n\r\n" % (BIG, basic))
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(4096)
+    head, _, body = data.partition(b"\r\n\r\n")
+    invocation_id = next(line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n")
+                         if line.lower().startswith(b"affidavit-invocation-id:"))
+    read = len(body)
+    if read_all:
+        while read < BIG and (chunk := sock.recv(65536)):
+            read += len(chunk)
+        sock.close()
+    else:
+        time.sleep(1.0)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+        sock.close()
+    return invocation_id, read
+
+
+def test_a_large_answer_the_agent_never_reads_is_not_recorded_as_delivered(broker: BrokerProcess, upstream: HostileUpstream):
+    """RESULT_DELIVERED only once every byte has left the broker (contract section 6): an agent
+    that takes the head and a little of the body, then resets, had a failed delivery, and the
+    record says fetch the result."""
+    invocation_id, read = _big_over_http1(broker, read_all=False)
+    assert read < BIG
+    record = broker.wait_for(invocation_id, lambda r: r["stage"] in ("delivered", "delivery_failed"))
+    kinds = [e["kind"] for e in record["events"]]
+    assert "RESULT_DELIVERED" not in kinds, kinds
+    assert (record["stage"], record["phase"], record["retry"], record["caller_disposition"]) == (
+        "delivery_failed", "result_delivery", "fetch_result", "disconnected"), record
+    with broker.api() as api:  # and it is all there to fetch
+        assert len(_seen(api.get(f"/v1/invocations/{invocation_id}/result")).content) == BIG
+
+
+def test_a_large_answer_read_slowly_is_delivered_once_it_has_all_left(broker: BrokerProcess, upstream: HostileUpstream):
+    invocation_id, read = _big_over_http1(broker, read_all=True)
+    assert read == BIG
+    record = broker.wait_for(invocation_id, lambda r: r["stage"] in ("delivered", "delivery_failed"))
+    assert record["stage"] == "delivered" and record["caller_disposition"] == "completed", record
+
+
+def test_an_http2_answer_its_window_never_admits_is_not_recorded_as_delivered(broker: BrokerProcess, upstream: HostileUpstream):
+    """An HTTP/2 agent that never opens its flow-control window gets the head and 64 KiB; the
+    rest waits in the broker. Closing then is a failed delivery, not a delivered result."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    tls = broker.tunnel("api.payments.test", alpn="h2")
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    conn.initiate_connection()
+    conn.send_headers(1, [(":method", "GET"), (":scheme", "https"), (":authority", "api.payments.test"),
+                          (":path", f"/h/big?bytes={BIG}")], end_stream=True)
+    tls.sendall(conn.data_to_send())
+    invocation_id, received = None, 0
+    deadline = time.monotonic() + 10
+    while received < 65535 and time.monotonic() < deadline:
+        for event in conn.receive_data(tls.recv(65536)):
+            if isinstance(event, h2.events.ResponseReceived):
+                invocation_id = dict(event.headers)["affidavit-invocation-id"]
+            elif isinstance(event, h2.events.DataReceived):
+                received += len(event.data)  # never acknowledged: the window stays shut
+        tls.sendall(conn.data_to_send())
+    assert invocation_id is not None and 0 < received < BIG, received
+    time.sleep(1.0)
+    tls.close()
+    record = broker.wait_for(invocation_id, lambda r: r["stage"] in ("delivered", "delivery_failed"))
+    kinds = [e["kind"] for e in record["events"]]
+    assert "RESULT_DELIVERED" not in kinds and record["retry"] == "fetch_result", (kinds, record["retry"])
 
 
 def test_an_endless_request_head_is_refused_on_the_proxy_port(broker: BrokerProcess, upstream: HostileUpstream):

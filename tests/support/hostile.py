@@ -602,6 +602,12 @@ class HostileUpstream:
         body = _json({"job_id": q["job"], "status": "pending"} if "job" in q else {"status": code, "effects": n})
         return await self._send(conn, entry, code, b"" if code in (204, 304) else body, headers)
 
+    async def _b_big(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
+        """Effect, then a complete 200 of ``?bytes=`` (1 MiB) bytes of ``x``: more than socket
+        buffers hold, for agents that read slowly or not at all."""
+        self._apply(entry)
+        return await self._send(conn, entry, 200, b"x" * int(q.get("bytes", str(1 << 20))), [("Content-Type", "text/plain")])
+
     async def _b_mirror(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
         """Effect, then a complete response that puts the credential it received (the
         ``Authorization`` value after its scheme) where a careless proxy would not look:
