@@ -507,6 +507,14 @@ class BrokerAddon:
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
         try:
+            if not flow.request.host or not 0 < flow.request.port < 65536:
+                # "CONNECT /x" or "CONNECT host": no authority to tunnel to, so nothing to route.
+                log.info("refused a CONNECT without host:port: 400 %s", Code.MALFORMED_REQUEST.value)
+                flow.response = _refusal(
+                    400, Code.MALFORMED_REQUEST,
+                    "CONNECT needs the target as host:port (CONNECT api.example.com:443). No tunnel was opened; "
+                    "nothing was sent and nothing was recorded.")
+                return
             self.auth.connect(flow)
         except Exception:  # never fail open
             log.exception("proxy authentication failed unexpectedly")

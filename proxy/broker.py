@@ -1418,8 +1418,8 @@ _MESSAGES = {
     Code.TLS_CERT_UNTRUSTED: "The upstream's certificate is not issued by a trusted CA. Nothing was sent." + _CERTIFICATE,
     Code.TLS_CERT_EXPIRED: "The upstream's certificate has expired or is not yet valid. Nothing was sent." + _CERTIFICATE,
     Code.TLS_HOSTNAME_MISMATCH: "The upstream's certificate is not valid for this host name. Nothing was sent." + _CERTIFICATE,
-    Code.REMOTE_OUTCOME_UNKNOWN: "The connection ended before a complete response was recorded. The request was "
-    "sent, so the effect is unknown: do not blindly re-send; follow the retry hint.",
+    Code.REMOTE_OUTCOME_UNKNOWN: "No complete response was recorded: the connection ended first, or what came back "
+    "was not valid HTTP. The request was sent, so the effect is unknown: do not blindly re-send; follow the retry hint.",
     Code.REMOTE_RESULT_INCOMPLETE: "The response ended before its framing was complete; the partial body is not a "
     "result. The effect is unknown: do not blindly re-send; follow the retry hint.",
     Code.RESULT_TOO_LARGE: "The response body is larger than the broker stores. The effect is unknown.",

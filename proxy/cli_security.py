@@ -238,9 +238,10 @@ def keys_generate(
     key_id = key_id or f"k{datetime.now(UTC):%Y%m%d%H%M%S}"
     if not _KEY_ID.fullmatch(key_id):
         _fail("a key id is 1-64 letters, digits, '_', '.' or '-'", 2)
+    existing = _existing_keys(config)  # an invalid configuration stops here, before a key is written
     path = (out or Path(".affidavit") / "keys" / f"{key_id}.key").absolute()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _private_dirs(path.parent)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         _fail(f"{path} already exists; a key file is never overwritten (choose another --out or --id)", 2)
@@ -248,7 +249,6 @@ def keys_generate(
         _fail(f"cannot create {path}: {exc.strerror}", 2)
     with os.fdopen(fd, "w", encoding="ascii") as handle:
         handle.write(generate_key() + "\n")
-    existing = _existing_keys(config)
     listed = ", ".join(f'"{entry}"' for entry in [f"{key_id}=file:{path}", *existing])
     typer.echo(f"affidavit: wrote a new key '{key_id}' to {path} (mode 0600)")
     typer.echo("Reference it in affidavit.toml; the first key encrypts, the others still decrypt:")
@@ -256,9 +256,21 @@ def keys_generate(
     typer.echo(f"  keys = [{listed}]")
 
 
+def _private_dirs(directory: Path) -> None:
+    """Make ``directory`` and every missing parent readable by the owner only (``mkdir -p`` gives
+    the parents the default mode, 0755 under the usual umask)."""
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        directory = directory.parent
+    for each in reversed(missing):
+        each.mkdir(mode=0o700)
+
+
 def _existing_keys(config: Path | None) -> list[str]:
-    """The configured key references (not keys), so the printed line keeps them; [] if unreadable."""
+    """The configured key references (not keys), so the printed line keeps them; none without a
+    configuration file. An invalid one is refused (exit 2), as every command that reads it does."""
     try:
         return list(load_settings(config).crypto.keys)
-    except ConfigError:
-        return []
+    except ConfigError as exc:
+        _fail(f"{exc}; no key was written", 2)

@@ -245,6 +245,20 @@ def _length(data: bytes) -> int:
     return 1 << 30
 
 
+@pytest.mark.parametrize("target", [b"/x", b"api.payments.test", b":443"])
+def test_a_connect_without_host_and_port_opens_no_tunnel(broker: BrokerProcess, upstream: HostileUpstream, target: bytes):
+    basic = base64.b64encode(f"builder:{broker.agents['builder'].token}".encode())
+    answer = _raw(broker.proxy_port, b"CONNECT %s HTTP/1.1\r\nHost: %s\r\nProxy-Authorization: Basic %s\r\n\r\n"
+                  % (target, target, basic))
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer[:300]
+    error = check_envelope(body)["error"]
+    assert (error["code"], error["outcome"]) == ("MALFORMED_REQUEST", "not_attempted"), error
+    # mitmproxy's parser refuses a target without a port itself; "/x" parses, and the broker refuses it
+    assert target != b"/x" or "host:port" in error["message"], error
+    assert upstream.received == []
+
+
 @pytest.mark.parametrize("token", [None, "wrong-token"])
 def test_missing_or_wrong_proxy_token_gets_407_and_nothing_is_sent(broker: BrokerProcess, upstream: HostileUpstream, token):
     auth = b"" if token is None else b"Proxy-Authorization: Basic " + base64.b64encode(f"builder:{token}".encode()) + b"\r\n"

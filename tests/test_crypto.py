@@ -205,6 +205,25 @@ def test_keys_generate_writes_a_private_key_file_and_prints_only_how_to_referenc
     assert out.read_text().strip() == key
 
 
+def test_keys_generate_refuses_an_invalid_configuration_and_makes_missing_directories_private(tmp_path):
+    """It reads the configuration for the keys already listed: an invalid one is exit 2, as for
+    every command that reads it, and no key is written; parents it has to make are 0700."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[proxy]\nlisten = "nope"\n[bogus]\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AFFIDAVIT_")}
+    runner = "from proxy.cli_security import keys_app; keys_app(prog_name='affidavit')"
+    out = tmp_path / "a" / "b" / "k.key"
+    done = subprocess.run([sys.executable, "-c", runner, "generate", "--id", "kk", "--out", str(out), "-c", str(bad)],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    assert done.returncode == 2 and "proxy.listen" in done.stderr and "no key was written" in done.stderr, done.stderr
+    assert not (tmp_path / "a").exists()
+    done = subprocess.run([sys.executable, "-c", runner, "generate", "--id", "kk", "--out", str(out)],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert [(tmp_path / p).stat().st_mode & 0o777 for p in ("a", "a/b")] == [0o700, 0o700]
+    assert out.stat().st_mode & 0o777 == 0o600
+
+
 def test_keys_generate_refuses_an_id_the_configuration_would_reject(tmp_path):
     from proxy.cli_security import keys_app
 

@@ -256,6 +256,16 @@ def test_a_short_body_is_incomplete_and_no_answer_is_unknown():
     assert isinstance(garbage, ExchangeFailed) and garbage.code is Code.REMOTE_OUTCOME_UNKNOWN
 
 
+@pytest.mark.parametrize("status", [b"099", b"000", b"042"])
+def test_a_status_below_100_is_no_answer_at_once_not_an_interim_one(status: bytes):
+    """llhttp reads any three digits; taken for a 1xx, the exchange would wait for a final
+    response until the response timeout (it did: 504 after response_timeout)."""
+    started = time.monotonic()
+    broken, _, _ = run(_one(_replying(b"HTTP/1.1 " + status + b" Odd\r\nContent-Length: 2\r\n\r\nok", then_close=False)))
+    assert isinstance(broken, ExchangeFailed) and broken.code is Code.REMOTE_OUTCOME_UNKNOWN, broken
+    assert not broken.headers_received and time.monotonic() - started < 2
+
+
 def test_interim_responses_are_skipped():
     final, _, _ = run(_one(_replying(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" + OK, then_close=False)))
     assert (final.status, final.body, final.headers) == (200, b"ok", [("Content-Length", "2")])
