@@ -262,11 +262,11 @@ def install_core_refusals(body_limit: int) -> None:
     read_headers = getattr(_http1.Http1Server.read_headers, "__wrapped__", _http1.Http1Server.read_headers)
 
     def http1_read_headers(self: _http1.Http1Server, event: Any) -> Any:
-        # Judged before mitmproxy sees the bytes: a head that arrives whole in one read is parsed
-        # (and its request handled) in the same step, so a check afterwards only sees heads that
-        # have not ended yet.
-        if isinstance(event, events.DataReceived) and len(self.buf) + len(event.data) > MAX_REQUEST_HEAD:
-            pending = bytes(self.buf) + event.data
+        # Judged before mitmproxy parses the bytes (its layer has added them to the buffer): a
+        # head that arrives whole in one read is parsed, and its request handled, in the same
+        # step, so a check afterwards only sees heads that have not ended yet.
+        if isinstance(event, events.DataReceived) and len(self.buf) > MAX_REQUEST_HEAD:
+            pending = bytes(self.buf)
             ends = [i for i in (pending.find(b"\n\r\n"), pending.find(b"\n\n")) if i >= 0]
             if (min(ends) if ends else len(pending)) > MAX_REQUEST_HEAD and self.conn.state & ConnectionState.CAN_WRITE:
                 response = refusal(431)
@@ -393,6 +393,10 @@ class Handover:
                 return False  # gone before the response was written, or the agent reset its stream
             if reader is not None and reader.exception() is not None:
                 return False  # the connection broke (a reset) before every byte had left
+            if flow.live:
+                # mitmproxy has not handed the response to the connection yet (it ends a flow's
+                # life right after; mitmproxy 12 does it a step after the hook returns, 11 in it).
+                return False if transport.is_closing() else None
             if http2 is not None and stream_id is not None and http2.h2_conn.stream_buffers.get(stream_id):
                 return False if transport.is_closing() else None  # frames its window does not admit yet
             if transport.get_write_buffer_size() > 0:
@@ -616,9 +620,13 @@ def _when_handed_over(check: Callable[[], bool | None], reply: Reply, flow: http
     except Exception:  # never lose the delivery fact over this: recorded as written, as before
         log.exception("could not see whether the response of %s left whole; recorded as delivered", reply.invocation_id)
         handed = True
-    if handed is None:  # the agent reads slowly (or not at all): look again, less often over time
+    if handed is None:  # not written yet, or the agent reads slowly (or not at all): look again, less often over time
+        loop = asyncio.get_running_loop()
+        if waited == 0.0:  # mitmproxy 12 writes a step after the hook: the next turn usually sees it all
+            loop.call_soon(_when_handed_over, check, reply, flow, 1e-9)
+            return
         pause = min(0.005 + waited / 10, 0.5)
-        asyncio.get_running_loop().call_later(pause, _when_handed_over, check, reply, flow, waited + pause)
+        loop.call_later(pause, _when_handed_over, check, reply, flow, waited + pause)
         return
     if handed:
         _record_delivery(reply.delivered, reply.invocation_id)  # type: ignore[arg-type]

@@ -910,6 +910,21 @@ def test_a_second_value_of_the_injected_header_is_an_override(make_broker: Broke
         assert _seen(client.get(f"{PAYMENTS}/h/ok", headers={"Authorization": "Bearer placeholder"})).status_code == 200
 
 
+def test_a_request_head_just_under_the_bound_is_served_however_it_arrives(broker: BrokerProcess, upstream: HostileUpstream):
+    basic = base64.b64encode(f"builder:{broker.agents['builder'].token}".encode())
+    head = (b"GET http://plain.example.test/h/ok HTTP/1.1\r\nProxy-Authorization: Basic " + basic
+            + b"\r\nX-Big: " + b"a" * 60000 + b"\r\nConnection: close\r\n\r\n")
+    for parts in ([head], [head[:40000], head[40000:]], [head[i:i + 8192] for i in range(0, len(head), 8192)]):
+        with socket.create_connection(("127.0.0.1", broker.proxy_port), timeout=10) as sock:
+            for part in parts:
+                sock.sendall(part)
+                time.sleep(0.02)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200"), (len(parts), answer[:300])
+
+
 BIG = 8 * 1024 * 1024  # more than the kernel's socket buffers and an HTTP/2 window hold
 
 
