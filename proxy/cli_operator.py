@@ -330,18 +330,29 @@ def approvals_list(
     if not items:
         console.print("no request is waiting for approval")
         return
-    table = Table(title="held for approval")
-    table.add_column("invocation_id", no_wrap=True, min_width=30)
-    for column in ("agent", "route", "method", "target", "body", "credential", "approves", "retry?"):
-        table.add_column(column)
-    for card in items:
-        table.add_row(
-            card["invocation_id"], card["agent"], card["route"], card["method"], card["target"],
-            f"{card['body_bytes']} B sha256:{card['body_sha256'][:12]}",
-            f"{card.get('credential_id') or '-'} {card.get('credential_version') or ''}",
-            card["approves"][:19], "uncertain retry" if card.get("retry_of_uncertain_action") else "",
-        )
-    console.print(table)
+    columns = ("invocation_id", "agent", "route", "method", "target", "body", "credential", "approves", "retry?")
+    cells = [
+        [card["invocation_id"], card["agent"], card["route"], card["method"], card["target"],
+         f"{card['body_bytes']} B sha256:{card['body_sha256'][:12]}",
+         f"{card.get('credential_id') or '-'} {card.get('credential_version') or ''}".strip(),
+         card["approves"][:19], "uncertain retry" if card.get("retry_of_uncertain_action") else ""]
+        for card in items
+    ]
+    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
+    if sum(widths) + 3 * len(columns) <= console.width:
+        table = Table(title="held for approval", box=box.SIMPLE_HEAD, pad_edge=False)
+        for column in columns:
+            table.add_column(column, no_wrap=True)
+        for line in cells:
+            table.add_row(*line)
+        console.print(table)
+        return
+    # Too narrow for one row each (a pipe, a small terminal): a few lines per card, nothing cut.
+    console.print("held for approval", highlight=False)
+    for invocation_id, agent, route, method, target, body, credential, approves, retry in cells:
+        console.print(f"{invocation_id}  {agent}  {route}  {method} {target}", highlight=False)
+        console.print(f"    body {body}  credential {credential}  approves {approves}" + (f"  {retry}" if retry else ""),
+                      highlight=False)
 
 
 def _decide(config: Path | None, invocation_id: str, decision: str, note: str | None) -> None:

@@ -270,6 +270,13 @@ def test_an_approved_request_goes_through_and_the_card_says_exactly_what(broker,
     listed = [json.loads(line) for line in cli(broker, "approvals", "list", "--json").splitlines()]
     assert [c["invocation_id"] for c in listed] == [card["invocation_id"]]
     assert card["invocation_id"] in cli(broker, "approvals", "list")
+    for width in ("80", "200"):  # a pipe or a small terminal: every field whole, on a line or two
+        done = broker.command("approvals", "list", env={"COLUMNS": width})
+        text = done.stdout.decode()
+        assert done.returncode == 0 and "…" not in text, text
+        assert all(len(line.rstrip()) <= int(width) or card["target"] in line for line in text.splitlines()), text
+        for whole in (card["invocation_id"], "builder", "ctl-held", card["approves"][:19], f"sha256:{card['body_sha256'][:12]}"):
+            assert whole in text, (width, whole, text)
     assert sent(upstream) == [], "nothing is sent (and no secret touched) while held"
     cli(broker, "approvals", "approve", card["invocation_id"], "--note", "change ticket 7")
     response = held.response()
