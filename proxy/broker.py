@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -1296,7 +1297,7 @@ async def _settled_or_released(
 
 #: What may not appear anywhere in a header line or the request target: each would split the
 #: request written upstream (or be read differently by the upstream than by the broker).
-_SPLITTERS = ("\r", "\n", "\0")
+_SPLITTER = re.compile("[\r\n\0]")
 
 
 def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
@@ -1310,20 +1311,25 @@ def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
       different key, or bytes that are not text, would bind the operation to something the agent
       did not mean.
     """
-    for name, value in req.headers:
-        if any(c in name or c in value for c in _SPLITTERS):
-            return (f"The request header {_shown(name)!r} holds a line break or a NUL byte, which would split the "
-                    "request sent upstream. Nothing was sent and no secret was touched. Send each header on one line.")
-    path = req.path.split("?", 1)[0]
-    if any(c in req.path for c in _SPLITTERS):
+    if _SPLITTER.search("".join([req.path, *(name + value for name, value in req.headers)])):
+        for name, value in req.headers:
+            if _SPLITTER.search(name + value):
+                return (f"The request header {_shown(name)!r} holds a line break or a NUL byte, which would split "
+                        "the request sent upstream. Nothing was sent and no secret was touched. Send each header on "
+                        "one line.")
         return ("The request target holds a line break or a NUL byte. Nothing was sent and no secret was touched. "
                 "Percent-encode it.")
-    for segment in path.split("/"):
-        decoded = unquote(segment, errors="surrogateescape")
-        if any(part in (".", "..") for part in decoded.replace("\\", "/").split("/")):
-            return (f"The request path {_shown(path)!r} has a '.' or '..' segment (perhaps percent-encoded), which the "
-                    "upstream may resolve to a path no route allows. Nothing was sent and no secret was touched. "
-                    "Send the path with those segments resolved.")
+    path = req.path.split("?", 1)[0]
+    low = path.lower()
+    # Only a path with a dot at a segment's start, or an encoded dot, slash or backslash before
+    # one, can hold a dot-segment: the common path is not taken apart.
+    if path.startswith(".") or "/." in path or "\\." in path or "%2e" in low or "%2f." in low or "%5c." in low:
+        for segment in path.split("/"):
+            decoded = unquote(segment, errors="surrogateescape")
+            if any(part in (".", "..") for part in decoded.replace("\\", "/").split("/")):
+                return (f"The request path {_shown(path)!r} has a '.' or '..' segment (perhaps percent-encoded), which "
+                        "the upstream may resolve to a path no route allows. Nothing was sent and no secret was "
+                        "touched. Send the path with those segments resolved.")
     keys = req.values_of(idempotency_header) or []
     if len(set(k.strip() for k in keys)) > 1:
         return (f"The request has {len(keys)} different {idempotency_header} headers. Nothing was sent. Send one key: "
