@@ -211,9 +211,18 @@ def invocations_result(
     """Write the recorded final response's body to stdout (a read: nothing is re-executed)."""
     settings = settings_or_exit(config)
     decode = result_decoder(ring_of(settings))
-    stored = with_engine(settings, lambda engine: queries.stored_result(engine, invocation_id, decode))
+    async def read(engine: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        stored = await queries.stored_result(engine, invocation_id, decode)
+        return stored, (await queries.invocation(engine, invocation_id) if stored is None else None)
+
+    stored, row = with_engine(settings, read)
     if stored is None:
-        typer.echo(f"affidavit: invocation {invocation_id!r} has no stored result", err=True)
+        if row is None:
+            typer.echo(f"affidavit: no invocation {invocation_id!r} in the journal", err=True)
+        else:
+            typer.echo(f"affidavit: invocation {invocation_id!r} has no stored result (outcome {row['outcome']}, code "
+                       f"{row['code'] or '-'}): no complete response was recorded. `affidavit invocations show "
+                       f"{invocation_id}` has the record.", err=True)
         raise typer.Exit(1)
     if headers:
         typer.echo(f"HTTP {stored['status']}")

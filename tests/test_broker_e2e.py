@@ -345,6 +345,24 @@ def test_refusals_are_recorded_envelopes_and_send_nothing(broker: BrokerProcess,
     assert counted and all('route="payments.create"' in line for line in counted), exposition
 
 
+def test_invocations_show_and_result_read_the_journal_and_say_which_is_missing(broker: BrokerProcess, upstream: HostileUpstream):
+    with broker.client() as client:
+        ok = _seen(client.get(f"{PAYMENTS}/h/ok"))
+        refused = _refused(client.get("https://unknown.example.test/x"), 403, "INVALID_TARGET")["invocation_id"]
+    done = broker.command("invocations", "show", ok.headers["affidavit-invocation-id"])
+    assert done.returncode == 0 and json.loads(done.stdout)["agent"] == "builder", done.stderr
+    done = broker.command("invocations", "result", ok.headers["affidavit-invocation-id"])
+    assert done.returncode == 0 and done.stdout == ok.content, done.stderr
+    done = broker.command("invocations", "result", "--headers", ok.headers["affidavit-invocation-id"])
+    assert done.returncode == 0 and done.stdout.startswith(b"HTTP 200") and done.stdout.endswith(ok.content)
+    done = broker.command("invocations", "result", refused)
+    err = done.stderr.decode()
+    assert done.returncode == 1 and "has no stored result (outcome not_attempted, code INVALID_TARGET)" in err, err
+    for command in ("show", "result"):
+        done = broker.command("invocations", command, "act_01M8TRTD8RSQZTD7JJN9HZ5237")
+        assert done.returncode == 1 and b"no invocation 'act_01M8TRTD8RSQZTD7JJN9HZ5237' in the journal" in done.stderr, done
+
+
 def test_invocations_list_reads_at_any_width_and_refuses_a_filter_typo(broker: BrokerProcess, upstream: HostileUpstream):
     with broker.client() as client:
         ids = [_refused(client.request("PATCH", f"{PAYMENTS}/h/ok"), 405, "UNSUPPORTED_ACTION")["invocation_id"] for _ in range(2)]
