@@ -111,6 +111,21 @@ def _schema_missing(exc: BaseException) -> bool:
     return False
 
 
+def _whole_table(title: str, columns: tuple[str, ...], cells: list[list[str]]) -> bool:
+    """Print ``cells`` as a table if every cell fits the terminal whole; False (nothing printed)
+    when it does not, and the caller prints a few lines per row instead."""
+    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
+    if sum(widths) + 3 * len(columns) > console.width:
+        return False
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in columns:
+        table.add_column(column, no_wrap=True)
+    for line in cells:
+        table.add_row(*line)
+    console.print(table)
+    return True
+
+
 def _window(since: str) -> float:
     try:
         return parse_duration(since)
@@ -166,14 +181,7 @@ def invocations_list(
             typer.echo(json.dumps({c: row[c] for c in columns}, default=lambda v: v.isoformat() if isinstance(v, datetime) else str(v)))
         return
     cells = [[_cell(row[c]) for c in columns] for row in rows]
-    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
-    if sum(widths) + 3 * len(columns) <= console.width:
-        table = Table(title=f"invocations (last {since}, UTC)", box=box.SIMPLE_HEAD, pad_edge=False)
-        for column in columns:
-            table.add_column(column, no_wrap=True)
-        for line in cells:
-            table.add_row(*line)
-        console.print(table)
+    if _whole_table(f"invocations (last {since}, UTC)", columns, cells):
         return
     # Too narrow for one row each: a few lines per invocation, wrapped between words, nothing cut.
     console.print(f"invocations (last {since}, UTC), newest first", highlight=False)
@@ -347,14 +355,7 @@ def approvals_list(
          card["approves"][:19], "uncertain retry" if card.get("retry_of_uncertain_action") else ""]
         for card in items
     ]
-    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
-    if sum(widths) + 3 * len(columns) <= console.width:
-        table = Table(title="held for approval", box=box.SIMPLE_HEAD, pad_edge=False)
-        for column in columns:
-            table.add_column(column, no_wrap=True)
-        for line in cells:
-            table.add_row(*line)
-        console.print(table)
+    if _whole_table("held for approval", columns, cells):
         return
     # Too narrow for one row each (a pipe, a small terminal): a few lines per card, nothing cut.
     console.print("held for approval", highlight=False)

@@ -237,12 +237,7 @@ def test_an_approval_given_after_a_restart_waits_for_the_agents_repeat(make_brok
     """Nobody waits for the card once its broker restarted; the approval is recorded and kept
     (recovery sweeps leave it alone), and the agent's repeat with the same key, even right after
     the restart, is sent under it: once, without a second card."""
-    broker = make_broker("postgresql", routes=control_routes(upstream), recovery={"sweep_every": "0.2s"})
-    key = "deploy_" + secrets.token_hex(6)
-    Held(broker, b'{"deploy":"v48"}', key=key, timeout=5)
-    card = wait_for_card(broker)
-    broker.kill()
-    broker.start()
+    broker, key, card = held_then_restarted(make_broker, upstream, b'{"deploy":"v48"}', sweep_every="0.2s")
     out = cli(broker, "approvals", "approve", card["invocation_id"])
     assert "approved" in out, out
     time.sleep(1.5)  # several recovery sweeps of this incarnation, which knows its predecessor is dead
@@ -392,13 +387,19 @@ def test_a_retry_after_an_unknown_outcome_asks_again_and_says_so(broker, upstrea
     assert upstream.effects_by_key[key] == 1 and len(sent(upstream)) == 2
 
 
-def test_a_held_request_survives_a_restart(make_broker, upstream):
-    broker = make_broker("postgresql", routes=control_routes(upstream), recovery={"stale_after": "2s"})
+def held_then_restarted(make_broker, upstream, body: bytes, **recovery: str) -> tuple[BrokerProcess, str, dict[str, Any]]:
+    """A PostgreSQL broker holds a keyed request for approval, is killed and started again."""
+    broker = make_broker("postgresql", routes=control_routes(upstream), recovery=recovery)
     key = "deploy_" + secrets.token_hex(6)
-    Held(broker, b'{"deploy":"v47"}', key=key, timeout=5)
+    Held(broker, body, key=key, timeout=5)
     card = wait_for_card(broker)
     broker.kill()
     broker.start()
+    return broker, key, card
+
+
+def test_a_held_request_survives_a_restart(make_broker, upstream):
+    broker, key, card = held_then_restarted(make_broker, upstream, b'{"deploy":"v47"}', stale_after="2s")
     assert wait_for_card(broker)["invocation_id"] == card["invocation_id"], "the restart did not forget it"
     time.sleep(2.5)  # the old incarnation's heartbeat is stale: the agent's retry may take the wait over
     resumed = Held(broker, b'{"deploy":"v47"}', key=key)
