@@ -613,6 +613,10 @@ class BrokerAddon:
 
 
 
+#: How long a response may stay unwritten after its hook before the watch stops waiting for it.
+_UNWRITTEN_FOR = 10.0
+
+
 def _when_handed_over(check: Callable[[], bool | None], reply: Reply, flow: http.HTTPFlow, waited: float) -> None:
     """Record the delivery once the response has all left (see :class:`Handover`), or its failure."""
     try:
@@ -625,9 +629,16 @@ def _when_handed_over(check: Callable[[], bool | None], reply: Reply, flow: http
         if waited == 0.0:  # mitmproxy 12 writes a step after the hook: the next turn usually sees it all
             loop.call_soon(_when_handed_over, check, reply, flow, 1e-9)
             return
-        pause = min(0.005 + waited / 10, 0.5)
-        loop.call_later(pause, _when_handed_over, check, reply, flow, waited + pause)
-        return
+        if flow.live and waited > _UNWRITTEN_FOR:
+            # mitmproxy has not ended the flow's life long after the hook: not how the versions
+            # this knows behave. Recorded as written, as mitmproxy's own hooks see it.
+            log.warning("the response of %s was not written %g s after its hook; recorded as delivered",
+                        reply.invocation_id, _UNWRITTEN_FOR)
+            handed = True
+        else:
+            pause = min(0.005 + waited / 10, 0.5)
+            loop.call_later(pause, _when_handed_over, check, reply, flow, waited + pause)
+            return
     if handed:
         _record_delivery(reply.delivered, reply.invocation_id)  # type: ignore[arg-type]
     elif reply.undelivered is not None:
