@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from .config import Route
 from .contract import Code
+from .fingerprint import normalized_target
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +25,7 @@ def match_route(
     The refusal never lists routes the agent may not use, so a wrong guess reveals nothing.
     """
     path_only = path.split("?", 1)[0] or "/"
-    target = f"{scheme}://{host}:{port}{path_only}"
+    target = normalized_target(scheme, host, port, path_only)  # an IPv6 host in brackets
     candidates = [r for r in routes if r.matches_target(scheme, host, port) and r.matches_path(path_only)]
     mine = [r for r in candidates if agent in r.agents]
     if not mine:

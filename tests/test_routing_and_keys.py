@@ -437,3 +437,11 @@ def test_key_fingerprint_scope_and_expiry_are_durable_before_dispatch(make_broke
         record = broker.invocation(invocation_id)
         assert record["fingerprint"] == expected_fp
         assert record["idempotency"]["expires_at"] is not None
+
+
+def test_a_refusal_names_an_ipv6_target_in_brackets():
+    """``http://::1:8080/x`` cannot be read back; the message names the target as a URL."""
+    from proxy.routing import Refusal, match_route
+
+    refused = match_route([], "builder", "http", "::1", 8080, "GET", "/x?q=1")
+    assert isinstance(refused, Refusal) and "http://[::1]:8080/x." in refused.message, refused
