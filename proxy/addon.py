@@ -393,12 +393,11 @@ class Handover:
                 return False  # gone before the response was written, or the agent reset its stream
             if reader is not None and reader.exception() is not None:
                 return False  # the connection broke (a reset) before every byte had left
-            if flow.live:
-                # mitmproxy has not handed the response to the connection yet (it ends a flow's
-                # life right after; mitmproxy 12 does it a step after the hook returns, 11 in it).
+            # Not yet handed to the connection (mitmproxy ends a flow's life right after: 12 a step
+            # after the hook returns, 11 in it), or frames the HTTP/2 window does not admit yet.
+            held = http2 is not None and stream_id is not None and http2.h2_conn.stream_buffers.get(stream_id)
+            if flow.live or held:
                 return False if transport.is_closing() else None
-            if http2 is not None and stream_id is not None and http2.h2_conn.stream_buffers.get(stream_id):
-                return False if transport.is_closing() else None  # frames its window does not admit yet
             if transport.get_write_buffer_size() > 0:
                 return None  # still in the transport's buffer (also while it closes after the answer)
             return True  # every byte is with the agent's socket
@@ -577,17 +576,17 @@ class BrokerAddon:
         if reply is None:
             return
         failpoint_now("during_delivery")
-        record: Callable[[], None] | None = reply.delivered
+        loop = asyncio.get_running_loop()
         if flow.error is not None or flow.client_conn.timestamp_end is not None:
-            record = reply.undelivered and functools.partial(reply.undelivered, _how_left(flow))
-        if record is not None and record is reply.delivered and self.handover is not None:
-            # mitmproxy writes the response as soon as this hook returns, in the same step of the
-            # event loop; looking afterwards takes that work off the caller's wait, and sees
-            # whether it all left at once (a small answer) or waits for the agent to read.
-            check = self.handover.watch(flow)
-            asyncio.get_running_loop().call_soon(_when_handed_over, check, reply, flow, 0.0)
-        elif record is not None:
-            asyncio.get_running_loop().call_soon(_record_delivery, record, reply.invocation_id)
+            if reply.undelivered is not None:
+                loop.call_soon(_record_delivery, functools.partial(reply.undelivered, _how_left(flow)), reply.invocation_id)
+        elif reply.delivered is not None and self.handover is not None:
+            # mitmproxy writes the response once this hook returns; looking afterwards takes that
+            # work off the caller's wait, and sees whether it all left at once (a small answer)
+            # or waits for the agent to read.
+            loop.call_soon(_when_handed_over, self.handover.watch(flow), reply, flow, 0.0)
+        elif reply.delivered is not None:
+            loop.call_soon(_record_delivery, reply.delivered, reply.invocation_id)
 
     def caller_left(self, flow: http.HTTPFlow) -> None:
         """The agent abandoned ``flow`` (see :func:`install_caller_watch`); if the broker is

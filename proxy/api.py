@@ -27,7 +27,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from . import VERSION, metrics
 from . import decisions
-from .broker import CODE_HEADER, INVOCATION_HEADER, OUTCOME_HEADER, REPLAYED_HEADER, Broker, LookupUnavailable, note_replay
+from .broker import CODE_HEADER, INVOCATION_HEADER, OUTCOME_HEADER, REPLAYED_HEADER, Broker, LookupUnavailable, note_replay, shown
 from .store.journal import Journal, brief
 from .contract import Code, Outcome, Phase, Retry, Stage
 from .crypto import DecryptError
@@ -65,8 +65,7 @@ def _problem(status: int, title: str, detail: str, headers: dict[str, str] | Non
 def _no_endpoint(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """Starlette's answer for a path no endpoint has (404) or a method the path does not take
     (405), as a problem document like every other error of the API."""
-    path = request.url.path
-    asked = f"{request.method} {path if len(path) <= 200 else path[:200] + '...'}"
+    asked = f"{request.method} {shown(request.url.path)}"
     if exc.status_code == 405:
         allowed = (exc.headers or {}).get("Allow", "")
         return _problem(405, "Method Not Allowed", f"{asked}: this endpoint takes only {allowed}. See docs/api.md.",

@@ -1314,7 +1314,7 @@ def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
     if _SPLITTER.search("".join([req.path, *(name + value for name, value in req.headers)])):
         for name, value in req.headers:
             if _SPLITTER.search(name + value):
-                return (f"The request header {_shown(name)!r} holds a line break or a NUL byte, which would split "
+                return (f"The request header {shown(name)!r} holds a line break or a NUL byte, which would split "
                         "the request sent upstream. Nothing was sent and no secret was touched. Send each header on "
                         "one line.")
         return ("The request target holds a line break or a NUL byte. Nothing was sent and no secret was touched. "
@@ -1327,7 +1327,7 @@ def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
         for segment in path.split("/"):
             decoded = unquote(segment, errors="surrogateescape")
             if any(part in (".", "..") for part in decoded.replace("\\", "/").split("/")):
-                return (f"The request path {_shown(path)!r} has a '.' or '..' segment (perhaps percent-encoded), which "
+                return (f"The request path {shown(path)!r} has a '.' or '..' segment (perhaps percent-encoded), which "
                         "the upstream may resolve to a path no route allows. Nothing was sent and no secret was "
                         "touched. Send the path with those segments resolved.")
     keys = req.values_of(idempotency_header) or []
@@ -1340,7 +1340,7 @@ def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
     return None
 
 
-def _shown(text: str, limit: int = 200) -> str:
+def shown(text: str, limit: int = 200) -> str:
     """``text`` for a message: control characters escaped, long values cut."""
     shown = text.encode("ascii", "backslashreplace").decode("ascii")
     return shown if len(shown) <= limit else shown[:limit] + "..."

@@ -86,7 +86,7 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
             raise
         from .store.journal import brief
 
-        if _schema_missing(exc):
+        if queries.schema_missing(exc):
             advice = ("this database has no journal schema, or an older one: run `affidavit db upgrade` with this "
                       "configuration (or start the broker with database.auto_upgrade = true)")
         elif queries.unreachable(exc):
@@ -96,19 +96,6 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
         typer.echo(f"affidavit: the journal could not be read ({exc.__class__.__name__}: {brief(exc)}); {advice}",
                    err=True)
         raise typer.Exit(1) from None
-
-
-def _schema_missing(exc: BaseException) -> bool:
-    """Whether a journal read failed on a table or column the database does not have."""
-    seen: list[BaseException] = []
-    error: BaseException | None = exc
-    while error is not None and error not in seen:
-        seen.append(error)
-        name, text_of = type(error).__name__, str(error)
-        if name in ("UndefinedTableError", "UndefinedColumnError") or "no such table" in text_of or "no such column" in text_of:
-            return True
-        error = getattr(error, "orig", None) or error.__cause__
-    return False
 
 
 def _whole_table(title: str, columns: tuple[str, ...], cells: list[list[str]]) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .contract import EventKind, IllegalTransition, Outcome, Record, Stage, contradicted_answer, project
+from .contract import TRANSITIONS, EventKind, IllegalTransition, Outcome, Record, Stage, contradicted_answer, project
 from .invocation_log import InvocationLog, identity_of
 from .store import queries
 from .store.journal import Journal, LeaseLost
@@ -99,7 +99,7 @@ async def reconcile(
                 f"(outcome not_attempted, code {record.code.value if record.code else '-'}), so it had no remote "
                 "effect and there is nothing to reconcile. Nothing was changed.",
             )
-        if not record.ended and record.stage is not Stage.COMMITTED:
+        if record.stage not in TRANSITIONS[EventKind.RECONCILED][0]:  # the other stages a finding may not follow
             raise DecisionRefused(
                 409,
                 f"invocation {row['invocation_id']} is still in progress (stage {record.stage.value}). Nothing was "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Iterator
 
 import asyncio
 import sqlite3
@@ -51,6 +51,21 @@ def unreachable(exc: BaseException) -> bool:
 
     SQLAlchemy and its drivers wrap the cause (``orig``, ``__cause__``): the whole chain is looked at.
     """
+    return any(_away(error) for error in causes(exc))
+
+
+def schema_missing(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database has no such table or column: a journal never upgraded
+    (or upgraded by an older version), which ``affidavit db upgrade`` cures."""
+    return any(
+        type(error).__name__ in ("UndefinedTableError", "UndefinedColumnError")
+        or "no such table" in str(error) or "no such column" in str(error)
+        for error in causes(exc)
+    )
+
+
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and every error it wraps (SQLAlchemy's ``orig``, ``__cause__``), each once."""
     seen: set[int] = set()
     chain: list[BaseException | None] = [exc]
     while chain:
@@ -58,10 +73,8 @@ def unreachable(exc: BaseException) -> bool:
         if error is None or id(error) in seen:
             continue
         seen.add(id(error))
-        if _away(error):
-            return True
+        yield error
         chain += [getattr(error, "orig", None), error.__cause__]
-    return False
 
 
 def _away(error: BaseException) -> bool:
