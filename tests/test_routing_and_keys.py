@@ -290,7 +290,10 @@ def test_a_complete_client_error_is_rejected_and_replayed(broker, upstream, code
     assert again.content == first.content and json.loads(first.content) == {"status": code, "effects": 1}
     assert again.headers["affidavit-invocation-id"] == first.headers["affidavit-invocation-id"]
     assert upstream.effects == 1 and len(sent(upstream)) == 1
-    record = broker.wait_for(first.headers["affidavit-invocation-id"], lambda r: r["replays"] >= 1)
+    # The replay count and the delivery fact are both written a moment later, each on its own
+    # schedule (docs/api.md): wait for both before reading the hint, which is null until delivery.
+    record = broker.wait_for(first.headers["affidavit-invocation-id"],
+                             lambda r: r["replays"] >= 1 and r["stage"] == "delivered")
     assert (record["outcome"], record["retry"], record["next_action"]) == ("rejected", "after_correction", "return_recorded_result")
     assert record["evidence"]["status"] == code and record["result_available"] is True
 
