@@ -897,6 +897,8 @@ class Broker:
             if entry.record.stage is Stage.APPROVED and entry.record.approval is not None:
                 return dict(entry.record.approval)
             if entry.record.code is Code.APPROVAL_DENIED:
+                entry.append(EventKind.CALLER_ANSWERED)
+                entry.submit_quietly()
                 return self._envelope_reply(
                     entry, Code.APPROVAL_DENIED, Phase.CREDENTIAL_INJECTION, Outcome.NOT_ATTEMPTED, Retry.AFTER_CORRECTION,
                     "An operator denied this request. Nothing was sent and no secret was touched.",

@@ -139,6 +139,7 @@ class EventKind(StrEnum):
     RESULT_COMMITTED = "RESULT_COMMITTED"
     RESULT_DELIVERED = "RESULT_DELIVERED"
     CALLER_CANCELLED = "CALLER_CANCELLED"
+    CALLER_ANSWERED = "CALLER_ANSWERED"
     RECONCILED = "RECONCILED"
     FAILED = "FAILED"
 
@@ -212,6 +213,9 @@ TRANSITIONS: dict[EventKind | tuple[EventKind, Phase], tuple[frozenset[Stage], S
         frozenset(_PRE_DISPATCH | _IN_EXCHANGE | {S.RESPONSE_COMPLETE, S.COMMITTED}),
         None,
     ),
+    # The waiting caller was handed the answer to a record somebody else ended (an operator's
+    # denial): its wait completed. Broker refusals say so on their own FAILED (``answered``).
+    EventKind.CALLER_ANSWERED: (frozenset({S.ENDED_NOT_ATTEMPTED, S.ENDED_UNKNOWN}), None),
     EventKind.RECONCILED: (
         frozenset({S.ENDED_UNKNOWN, S.COMMITTED, S.DELIVERED, S.DELIVERY_FAILED, S.STORE_FAILED}),
         None,
@@ -424,6 +428,8 @@ def apply(record: Record, event: Event) -> Record:
             changes["code"] = Code.CALLER_CANCELLED
     elif kind is EventKind.APPROVAL_DENIED:
         changes.update(phase=Phase.CREDENTIAL_INJECTION, code=Code.APPROVAL_DENIED)
+    elif kind is EventKind.CALLER_ANSWERED:
+        changes.update(_dispose(record, CallerDisposition.COMPLETED))
     elif kind is EventKind.RECONCILED:
         changes.update(
             reconciled_outcome=Outcome(event.data["outcome"]),

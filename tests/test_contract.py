@@ -229,6 +229,27 @@ def test_fetching_after_a_failed_delivery_delivers_but_keeps_the_disposition():
     assert retry_hint(record, POST) is Retry.NEVER
 
 
+def test_a_denial_handed_to_its_waiting_caller_completes_the_wait_and_nothing_else():
+    held = [ev(K.ACTION_ACCEPTED), ev(K.PREFLIGHT_VALIDATED), ev(K.APPROVAL_REQUESTED), ev(K.APPROVAL_DENIED, by="ops")]
+    denied = fold(held)
+    assert (denied.stage, denied.caller_disposition) == (Stage.ENDED_NOT_ATTEMPTED, CallerDisposition.WAITING)
+    answered = fold([*held, ev(K.CALLER_ANSWERED)])
+    assert answered.caller_disposition is CallerDisposition.COMPLETED
+    assert (answered.stage, answered.outcome, answered.code, answered.phase) == (
+        Stage.ENDED_NOT_ATTEMPTED, Outcome.NOT_ATTEMPTED, Code.APPROVAL_DENIED, Phase.CREDENTIAL_INJECTION)
+    # A denied re-attempt of a dispatched invocation ends unknown; its caller was answered as well.
+    again = [*DISPATCH, failed(Phase.REMOTE_EXECUTION, Code.REMOTE_OUTCOME_UNKNOWN, answered=True), ev(K.PREFLIGHT_VALIDATED),
+             ev(K.APPROVAL_REQUESTED), ev(K.APPROVAL_DENIED, by="ops"), ev(K.CALLER_ANSWERED)]
+    assert fold(again).stage is Stage.ENDED_UNKNOWN
+    # A caller that had already left keeps its disposition; an open record cannot be "answered".
+    left = [*DISPATCH, ev(K.CALLER_CANCELLED, disposition="disconnected"), failed(Phase.REMOTE_EXECUTION, Code.REMOTE_OUTCOME_UNKNOWN),
+            ev(K.CALLER_ANSWERED)]
+    assert fold(left).caller_disposition is CallerDisposition.DISCONNECTED
+    for open_record in (PREFIX, DISPATCH, [*held[:3]]):
+        with pytest.raises(IllegalTransition):
+            fold([*open_record, ev(K.CALLER_ANSWERED)])
+
+
 def test_result_store_failure_never_suggests_a_resend():
     events = [*DISPATCH, ev(K.REMOTE_RESPONSE_COMPLETE, status=201), failed(Phase.RESULT_DELIVERY, Code.RESULT_STORE_FAILED, answered=True)]
     record = fold(events)

@@ -292,7 +292,11 @@ def test_a_denied_request_is_not_attempted_and_sends_nothing(broker, upstream):
     assert (envelope["error"]["code"], envelope["error"]["phase"], envelope["error"]["outcome"]) == (
         "APPROVAL_DENIED", "credential_injection", "not_attempted")
     assert sent(upstream) == []
-    assert "CREDENTIAL_AUTHORIZED" not in [e["kind"] for e in broker.invocation(card["invocation_id"])["events"]]
+    # The agent was handed the denial: its wait completed (not "waiting" for ever).
+    record = broker.wait_for(card["invocation_id"], lambda r: r["caller_disposition"] != "waiting", timeout=5)
+    assert (record["caller_disposition"], record["stage"], record["code"]) == ("completed", "ended_not_attempted", "APPROVAL_DENIED")
+    assert [e["kind"] for e in record["events"]] == [
+        "ACTION_ACCEPTED", "PREFLIGHT_VALIDATED", "APPROVAL_REQUESTED", "APPROVAL_DENIED", "CALLER_ANSWERED"]
     time.sleep(0.3)  # the lines are written a loop turn or two after the end
     ended = [line for line in broker.logs().splitlines() if card["invocation_id"] in line and '"invocation ended"' in line]
     assert len(ended) == 1, "one end, logged and counted once (by whoever appended it, not again by the holder)"
