@@ -454,7 +454,7 @@ def load_settings(path: Path | None = None, **overrides: Any) -> Settings:
 
 
 def _describe(where: str, exc: ValidationError) -> str:
-    lines = [f"{where}: invalid configuration ({exc.error_count()} problem(s)); nothing was started:"]
+    lines = [f"{where}: invalid configuration ({exc.error_count()} problem(s)); nothing was done:"]
     for error in exc.errors():
         key = _key(error["loc"])
         message = error["msg"].removeprefix("Value error, ")

@@ -127,8 +127,12 @@ def test_affidavit_run_refuses_a_bad_config_and_listens_on_nothing(tmp_path):
     path = write(tmp_path, text)
     done = subprocess.run([AFFIDAVIT, "run", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 2
-    assert str(path) in done.stderr and "routes[0].agents" in done.stderr and "nothing was started" in done.stderr
+    assert str(path) in done.stderr and "routes[0].agents" in done.stderr and "nothing was done" in done.stderr
     assert not _listening(port) and not _listening(api_port)
+    assert not (tmp_path / "j.db").exists()
+    # Any other command says the same, and does nothing either.
+    listed = subprocess.run([AFFIDAVIT, "invocations", "list", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert listed.returncode == 2 and "routes[0].agents" in listed.stderr and "nothing was done" in listed.stderr, listed.stderr
     assert not (tmp_path / "j.db").exists()
 
 
