@@ -1514,16 +1514,15 @@ def _redacted_text(text: str | None, needles: list[bytes]) -> str | None:
     ``Location`` or job id in the record) with any echo of the credential replaced."""
     if not text or not needles:
         return text
-    for needle in needles:
-        # Header text is decoded as latin-1, a job id from JSON as UTF-8: look for either form.
-        forms = {needle.decode("latin-1")}
+    # Header text is decoded as latin-1, a job id from JSON as UTF-8: look at the bytes of either.
+    for encoding in ("latin-1", "utf-8"):
         try:
-            forms.add(needle.decode("utf-8"))
-        except UnicodeDecodeError:
-            pass
-        for form in forms:
-            if form in text:
-                text = text.replace(form, "[REDACTED]")
+            data = text.encode(encoding)
+        except UnicodeEncodeError:
+            continue
+        data, found = redact(data, needles)
+        if found:
+            text = data.decode(encoding)
     return text
 
 

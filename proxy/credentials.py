@@ -7,7 +7,9 @@ credential's id, a non-secret version and the injection method.
 from __future__ import annotations
 
 import base64
+import functools
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,13 +126,59 @@ def redaction_needles(credential: Credential, header_value: str) -> list[bytes]:
 
 
 def redact(data: bytes, needles: list[bytes]) -> tuple[bytes, bool]:
-    """Replace every occurrence of a needle; returns (bytes, whether anything was replaced)."""
+    """Replace every occurrence of a needle, however an echo spells it (see :func:`_spellings`);
+    returns (bytes, whether anything was replaced)."""
     changed = False
     for needle in needles:
-        if needle in data:
-            data = data.replace(needle, b"[REDACTED]")
-            changed = True
+        spelled = _spellings(needle)
+        if spelled is None:
+            if needle in data:
+                data = data.replace(needle, b"[REDACTED]")
+                changed = True
+        else:
+            data, found = spelled.subn(b"[REDACTED]", data)
+            changed = changed or found > 0
     return data, changed
+
+
+#: Bytes every encoding an echo may go through leaves as they are.
+_PLAIN = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.~")
+_HTML = {'"': (b"&quot;", b"&#34;", b"&#x22;"), "&": (b"&amp;", b"&#38;", b"&#x26;"), "'": (b"&#39;", b"&#x27;", b"&apos;"),
+         "<": (b"&lt;", b"&#60;", b"&#x3c;", b"&#x3C;"), ">": (b"&gt;", b"&#62;", b"&#x3e;", b"&#x3E;")}
+
+
+# Kept for the secrets in use (a rotation adds one); they are in this process's memory anyway.
+@functools.lru_cache(maxsize=256)
+def _spellings(needle: bytes) -> re.Pattern[bytes] | None:
+    """A pattern for ``needle`` as an upstream that echoes it may spell it: every character that
+    an encoding changes may appear as sent, percent-encoded (either case; a space also as ``+``),
+    JSON-escaped (``\\"``, ``\\/``, ``\\uXXXX`` in either case, as Python's, Go's and PHP's encoders
+    write them) or as an HTML character reference, each on its own (an encoder escapes some
+    characters and not others). None when no encoding changes it: a plain search finds every echo."""
+    try:
+        text = needle.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if all(b in _PLAIN for b in needle):
+        return None
+    parts = []
+    for char in text:
+        raw = char.encode("utf-8")
+        if raw[0] in _PLAIN:
+            parts.append(re.escape(raw))
+            continue
+        forms = {raw, b"".join(b"%%%02X" % b for b in raw), b"".join(b"%%%02x" % b for b in raw)}
+        if char == " ":
+            forms.add(b"+")
+        if char in '"\\/':
+            forms.add(b"\\" + raw)
+        units = char.encode("utf-16-be")
+        escaped = [units[i:i + 2].hex() for i in range(0, len(units), 2)]
+        forms.add("".join(f"\\u{unit}" for unit in escaped).encode())
+        forms.add("".join(f"\\u{unit.upper()}" for unit in escaped).encode())
+        forms.update(_HTML.get(char, ()))
+        parts.append(b"(?:" + b"|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True)) + b")")
+    return re.compile(b"".join(parts))
 
 
 def redact_body(body: bytes, content_encoding: str | None, needles: list[bytes], limit: int) -> tuple[bytes, bool, str | None]:

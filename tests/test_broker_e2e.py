@@ -664,6 +664,43 @@ def test_dispatch_started_is_durable_before_the_first_request_byte(make_broker, 
     assert connections == ["new", "reused", "reused"]
 
 
+#: A credential with characters a JSON document, a query string or an HTML page spells otherwise.
+SPECIAL_KEY = 'sk_p@ss/w+rd"q<y>&\\z ' + CANARIES["PAYMENTS_KEY"][-8:]
+
+
+def _spelled(secret: str) -> list[str]:
+    """The secret as sent and as the echoes below encode it (an echo must match none)."""
+    import urllib.parse
+
+    return [secret, json.dumps(secret)[1:-1], urllib.parse.quote_plus(secret), urllib.parse.quote(secret, safe="")]
+
+
+@pytest.mark.parametrize("path", ["/h/ok", "/h/mirror?into=query"])
+def test_an_echo_the_upstream_encoded_is_redacted_everywhere(make_broker, upstream: HostileUpstream, path: str):
+    """An honest upstream echoes the credential it received JSON-escaped (its JSON document of the
+    request's headers) or percent-encoded (a query string, a form body): neither the agent, nor
+    the record, nor the stored result, nor the journal holds any spelling of it."""
+    broker = make_broker(env={"PAYMENTS_KEY": SPECIAL_KEY})
+    with broker.client() as client:
+        r = client.post(f"{PAYMENTS}{path}", content=b"{}")
+    assert upstream.received[-1].header("Authorization") == f"Bearer {SPECIAL_KEY}", "the upstream got the real one"
+    assert r.status_code in (200, 201) and r.headers["affidavit-outcome"] == "committed", r.text
+    seen = [r.text, json.dumps(list(r.headers.items()))]
+    assert "[REDACTED]" in seen[0] + seen[1]
+    invocation_id = r.headers["affidavit-invocation-id"]
+    time.sleep(0.3)
+    with broker.api() as api:
+        record = api.get(f"/v1/invocations/{invocation_id}")
+        result = api.get(f"/v1/invocations/{invocation_id}/result")
+    seen += [record.text, result.text, json.dumps(list(result.headers.items())), dump_journal(broker.database_url), broker.logs()]
+    SEEN.extend(seen[:5])
+    for text in seen:
+        for spelling in _spelled(SPECIAL_KEY):
+            assert spelling not in text, (spelling, text[:400])
+    committed = next(e for e in record.json()["events"] if e["kind"] == "RESULT_COMMITTED")
+    assert committed["data"]["redacted"] is True
+
+
 @pytest.mark.parametrize("into", ["location", "name", "reason", "job"])
 def test_an_echo_outside_the_body_and_header_values_is_redacted_too(broker: BrokerProcess, upstream: HostileUpstream, into: str):
     """An upstream may put the credential it received in a ``Location``, a job id, the reason

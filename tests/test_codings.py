@@ -3,13 +3,17 @@ broker-level proof is in test_broker_e2e)."""
 
 from __future__ import annotations
 
+import html
+import json
+import re
+import urllib.parse
 import zlib
 
 import pytest
 from mitmproxy.net import encoding
 
 from proxy.codings import Undecodable, codings_of, decode, encode
-from proxy.credentials import redact_body
+from proxy.credentials import Credential, _spellings, redact, redact_body, redaction_needles
 
 SECRET = b"sk_canary_0123456789"
 ECHO = b'{"headers": [["Authorization", "Bearer ' + SECRET + b'"]]}'
@@ -89,3 +93,42 @@ def test_many_tiny_gzip_members_and_data_after_a_zlib_stream_are_refused_quickly
     assert decode(empty * 3 + encoding.encode(ECHO, "gzip"), ["gzip"], 1 << 20) == ECHO
     with pytest.raises(Undecodable, match="after the end"):
         decode(zlib.compress(b"{}") + zlib.compress(ECHO), ["deflate"], 1 << 20)
+
+
+#: A secret with every kind of character an echo's encoding rewrites.
+SPECIAL = 'p@ss/w+rd"q<y>&\\z \'é'
+_SPELLINGS = {
+    "as sent": SPECIAL,
+    "JSON, ASCII only (Python's json)": json.dumps(SPECIAL)[1:-1],
+    "JSON, UTF-8 kept (orjson, Node)": json.dumps(SPECIAL, ensure_ascii=False)[1:-1],
+    "JSON, slashes escaped (PHP)": json.dumps(SPECIAL)[1:-1].replace("/", "\\/"),
+    "JSON, HTML-safe (Go)": json.dumps(SPECIAL)[1:-1].replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"),
+    "JSON, upper-case escapes": json.dumps(SPECIAL)[1:-1].replace("\\u00e9", "\\u00E9"),
+    "URL component": urllib.parse.quote(SPECIAL, safe=""),
+    "URL path, lower-case hex": re.sub("%[0-9A-F]{2}", lambda m: m.group().lower(), urllib.parse.quote(SPECIAL)),
+    "form": urllib.parse.quote_plus(SPECIAL),
+    "JavaScript encodeURIComponent": urllib.parse.quote(SPECIAL, safe="!*'()"),
+    "HTML": html.escape(SPECIAL),
+    "HTML, quotes kept": html.escape(SPECIAL, quote=False),
+}
+
+
+@pytest.mark.parametrize("how", list(_SPELLINGS))
+def test_an_echo_of_the_secret_is_found_however_the_upstream_encoded_it(how: str):
+    """An honest upstream that echoes what it was sent usually encodes it on the way out (a JSON
+    document, a query string, an HTML page): every such spelling of the secret is an echo."""
+    needles = redaction_needles(Credential("key", "v1", SPECIAL), f"Bearer {SPECIAL}")
+    spelled = _SPELLINGS[how].encode()
+    body = b'{"headers": [["Authorization", "Bearer ' + spelled + b'"]], "q": "' + spelled + b'"}'
+    redacted, changed = redact(body, needles)
+    assert changed and spelled not in redacted, redacted
+    assert redacted == b'{"headers": [["Authorization", "[REDACTED]"]], "q": "[REDACTED]"}'
+    inside, changed, problem = redact_body(encoding.encode(body, "gzip"), "gzip", needles, 1 << 20)
+    assert changed and problem is None and encoding.decode(inside, "gzip") == redacted
+
+
+def test_a_secret_no_encoding_changes_is_looked_for_as_it_is_and_other_bytes_are_left_alone():
+    assert _spellings(SECRET) is None, "letters, digits and -_.~: one plain search"
+    near = SPECIAL.replace("q", "Q")  # one byte off is not the secret, in any spelling
+    body = json.dumps({"a": near, "b": urllib.parse.quote(near)}).encode()
+    assert redact(body, [SPECIAL.encode()]) == (body, False)

@@ -22,6 +22,7 @@ import ssl
 import struct
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Awaitable, Callable
@@ -612,7 +613,8 @@ class HostileUpstream:
         """Effect, then a complete response that puts the credential it received (the
         ``Authorization`` value after its scheme) where a careless proxy would not look:
         ``?into=location`` (a 201's ``Location``), ``name`` (a header's *name*), ``reason`` (the
-        reason phrase), ``job`` (a 202's job id)."""
+        reason phrase), ``job`` (a 202's job id), ``query`` (a 201's ``Location`` with the credential
+        form-encoded in its query, and the same in a form-encoded body)."""
         secret = (entry.header("Authorization") or "").partition(" ")[2]
         into = q.get("into", "location")
         n = self._apply(entry)
@@ -625,6 +627,9 @@ class HostileUpstream:
             status, body = 202, _json({"job_id": f"job-{secret}", "status": "pending"})
         elif into == "reason":
             reason = f"OK {secret}"
+        elif into == "query":
+            encoded = urllib.parse.quote_plus(secret)
+            status, headers, body = 201, [("Location", f"/things?token={encoded}")], f"token={encoded}".encode()
         entry.response_status = status
         close = _wants_close(entry)
         await conn.send(_response(status, body, headers, close=close, reason=reason))
