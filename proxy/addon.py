@@ -41,7 +41,7 @@ def _reason(status: int) -> str:
 
 def _reply_to_response(reply: Reply) -> http.Response:
     now = time.time()
-    if not any(k.lower() == "content-length" for k, _ in reply.headers):
+    if not reply.framed and not any(k.lower() == "content-length" for k, _ in reply.headers):
         reply.headers.append(("Content-Length", str(len(reply.body))))
     return http.Response(
         http_version=b"HTTP/1.1",

@@ -174,6 +174,9 @@ class Reply:
     body: bytes
     invocation_id: str | None = None
     reason: str = ""
+    #: The headers already carry all the framing this answer should have (a recorded answer:
+    #: see _length_fields; none at all on a 204); else the adapter adds the body's length.
+    framed: bool = False
     #: Called by the adapter once the reply was handed to the caller's connection.
     delivered: Callable[[], None] | None = None
     #: Called by the adapter, with how the caller left, when it was gone before the reply could
@@ -774,7 +777,7 @@ class Broker:
         ]
         if row["idempotency_key"]:
             headers.append((IDEMPOTENCY_KEY_HEADER, row["idempotency_key"]))
-        return Reply(stored["status"], headers, bytes(stored["body"]), row["invocation_id"])
+        return Reply(stored["status"], headers, bytes(stored["body"]), row["invocation_id"], framed=True)
 
     def _repeat_envelope(
         self, row: dict[str, Any], record: Record | None, code: Code, message: str, request_fingerprint: str | None = None
@@ -1150,7 +1153,7 @@ class Broker:
         if code is not None:
             headers.append((CODE_HEADER, code.value))
         reason = _redacted_text(response.reason, exchange.needles) or ""
-        reply = Reply(response.status, headers, body, entry.invocation_id, reason=reason)
+        reply = Reply(response.status, headers, body, entry.invocation_id, reason=reason, framed=True)
         reply.delivered = lambda: self._delivered(entry)
         reply.undelivered = lambda left: self._undelivered(entry, left)
         return reply
