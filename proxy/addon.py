@@ -14,6 +14,7 @@ import base64
 import functools
 import hmac
 import logging
+import re
 import time
 import weakref
 from http import HTTPStatus
@@ -21,7 +22,7 @@ from typing import Any, Callable
 from mitmproxy import http
 from mitmproxy.connection import Client, ConnectionState
 
-from .broker import AgentRequest, Broker, Reply, internal_error, should_retry
+from .broker import AgentRequest, Broker, Reply, internal_error, should_retry, shown
 from .contract import CallerDisposition, Code, Outcome, Phase, Retry
 from .envelope import MEDIA_TYPE, encode, envelope
 from .failpoints import failpoint_now
@@ -111,6 +112,40 @@ def credentials_rejected() -> http.Response:
         "(http://AGENT:TOKEN@host:port) is wrong, or the token was rotated. "
         "Nothing was sent and nothing was recorded.",
         [("Proxy-Authenticate", REALM)],
+    )
+
+
+#: Fields HTTP/2 forbids in a request (RFC 9113 8.2.2): each only means something on one
+#: HTTP/1.1 hop. ``te`` is allowed with the value ``trailers`` alone.
+_CONNECTION_SPECIFIC = frozenset({b"connection", b"proxy-connection", b"keep-alive", b"transfer-encoding", b"upgrade"})
+#: An HTTP/2 field name: a token (RFC 9110 5.1) in lower case (RFC 9113 8.2.1).
+_HTTP2_FIELD_NAME = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+")
+
+
+def http2_malformed(request: http.Request) -> str | None:
+    """Why an HTTP/2 request's header fields break HTTP/2's rules (RFC 9113 8.2), or None. Such a
+    request is malformed and must not be forwarded (8.1.1); it is refused alone, with an
+    envelope, while the connection's other requests go on. (Line breaks and NUL bytes, which
+    would split the request sent upstream, are the broker's check, on either HTTP version.)"""
+    for name, value in request.headers.fields:
+        if not _HTTP2_FIELD_NAME.fullmatch(name):
+            return (f"The request header {shown(name.decode('latin-1'))!r} is not a valid HTTP/2 field name "
+                    "(lower-case letters, digits and !#$%&'*+-.^_`|~ only; RFC 9113 8.2.1).")
+        if name in _CONNECTION_SPECIFIC or (name == b"te" and value.strip().lower() != b"trailers"):
+            return (f"The request carries the connection-specific header {name.decode()!r}, which HTTP/2 forbids "
+                    "(RFC 9113 8.2.2).")
+        if value[:1] in (b" ", b"\t") or value[-1:] in (b" ", b"\t"):
+            return (f"The value of the request header {name.decode()!r} begins or ends with whitespace, which "
+                    "HTTP/2 forbids (RFC 9113 8.2.1).")
+    return None
+
+
+def http2_refused(why: str) -> http.Response:
+    log.info("refused an HTTP/2 request with malformed header fields: 400 %s", Code.MALFORMED_REQUEST.value)
+    return _refusal(
+        400, Code.MALFORMED_REQUEST,
+        f"{why} Nothing was sent upstream and nothing was recorded; the connection's other requests go on. "
+        "Fix the client's request.",
     )
 
 
@@ -341,6 +376,11 @@ def install_caller_watch(addon: "BrokerAddon") -> None:
     def http2_server_init(self: Any, context: Any) -> None:
         server_init(self, context)
         _HTTP2_SERVERS[context.client.id] = self
+        # The h2 library ends the whole connection (GOAWAY) over one request whose header fields
+        # break HTTP/2's rules, and with it the answers of every other request in flight on it.
+        # The broker checks those rules itself, per request (http2_malformed), and refuses only
+        # that one. HTTP/1's checks (mitmproxy's validate_inbound_headers) stay as they are.
+        self.h2_conf.validate_inbound_headers = False
 
     stream_handle_event.__wrapped__ = handle_event  # type: ignore[attr-defined]
     http2_server_init.__wrapped__ = server_init  # type: ignore[attr-defined]
@@ -530,6 +570,8 @@ class BrokerAddon:
         try:
             if flow.response is None and self.auth.agent_of(flow) is None:
                 flow.response = self.auth.refusal(flow)
+            elif flow.response is None and flow.request.is_http2 and (why := http2_malformed(flow.request)) is not None:
+                flow.response = http2_refused(why)
         except Exception:
             log.exception("request screening failed unexpectedly")
             flow.response = _internal_error()

@@ -785,6 +785,33 @@ def test_fields_a_connection_header_names_do_not_cross_the_broker(broker: Broker
     assert replayed.status_code == 200 and "x-upstream-hop" not in replayed.headers, replayed.headers
 
 
+@pytest.mark.parametrize("field", [("x-note", "mine "), ("x-note", "\tmine"), ("X-Note", "mine"), ("x note", "mine"),
+                                   ("connection", "keep-alive"), ("te", "gzip"), ("upgrade", "websocket")])
+def test_an_http2_request_with_fields_http2_forbids_is_refused_alone(broker: BrokerProcess, upstream: HostileUpstream, field):
+    """RFC 9113 8.1.1: a malformed request is an error of its stream, not of the connection. The
+    h2 library would end the whole connection (GOAWAY), and with it the answer of every other
+    request in flight on it: the broker refuses that one request, with an envelope."""
+    from tests.support.h2agent import H2Agent
+
+    upstream.reset()
+    with H2Agent(broker, "api.payments.test", strict=False) as agent:
+        slow = agent.request("GET", "/h/slow?delay=0.5")
+        bad = agent.request("GET", "/h/ok?bad=1", headers=[field])
+        status, headers, body = agent.response(bad)
+        assert status == 400 and headers["content-type"] == "application/problem+json", (status, body[:300])
+        envelope = check_envelope(body)
+        SEEN.append(json.dumps(envelope))
+        assert (envelope["error"]["code"], envelope["error"]["outcome"], envelope["invocation_id"]) == (
+            "MALFORMED_REQUEST", "not_attempted", None)
+        # A name that is no token at all mitmproxy refuses itself, as HTTP it cannot parse; the rest are the broker's.
+        assert ("RFC 9113" in envelope["error"]["message"] and "other requests" in envelope["error"]["message"]
+                or field[0] == "x note" and "not valid HTTP" in envelope["error"]["message"]), envelope
+        assert agent.response(slow)[0] == 200, "the request in flight on the same connection got its answer"
+        again = agent.request("GET", "/h/ok")
+        assert agent.response(again)[0] == 200, "the connection goes on"
+    assert sorted(r.path for r in upstream.received) == ["/h/ok", "/h/slow?delay=0.5"], "the malformed one was not sent"
+
+
 @pytest.mark.parametrize("version", ["--http2", "--http1.1"])
 @pytest.mark.parametrize("sent", ["&header=Content-Length:5", ""])
 def test_a_204_is_delivered_without_a_content_length(broker: BrokerProcess, upstream: HostileUpstream, version, sent):

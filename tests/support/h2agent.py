@@ -19,10 +19,14 @@ from .broker import BrokerProcess
 
 
 class H2Agent:
-    def __init__(self, broker: BrokerProcess, host: str, port: int = 443, agent: str = "builder") -> None:
+    def __init__(self, broker: BrokerProcess, host: str, port: int = 443, agent: str = "builder", *, strict: bool = True) -> None:
+        """``strict=False``: header fields go out exactly as given, even those HTTP/2 forbids
+        (upper case, whitespace around a value, connection-specific fields)."""
         self.authority = f"{host}:{port}"
         self.sock = broker.tunnel(host, port, alpn="h2", agent=agent)
-        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        config = h2.config.H2Configuration(client_side=True, header_encoding="utf-8", validate_outbound_headers=strict,
+                                           normalize_outbound_headers=strict)
+        self.conn = h2.connection.H2Connection(config)
         self.conn.initiate_connection()
         self._flush()
         #: per stream: {"headers": [...], "body": bytes, "ended": "StreamEnded" | "StreamReset" | None}
