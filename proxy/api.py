@@ -426,16 +426,18 @@ def create_app(
             code = Code(view["code"]) if view["code"] else Code.REMOTE_OUTCOME_UNKNOWN
             if view["outcome"] in _DECIDED and code is not Code.RESULT_STORE_FAILED:
                 code = Code.RESULT_UNAVAILABLE  # decided (by reconciliation), but no response was stored
+            # Still in flight (the record has no hint yet): the result may yet come. The answer is to
+            # fetch it again later, never a hint that reads as "send the request again".
+            retry = Retry(view["retry"]) if view["retry"] else Retry.FETCH_RESULT
             body = envelope(
                 invocation_id,
                 code,
                 Phase(view["phase"]),
                 Outcome(view["outcome"]),
-                Retry(view["retry"]) if view["retry"] else Retry.BACKOFF,
-                _no_result_message(view["outcome"]),
+                retry,
+                _no_result_message(view["outcome"], in_flight=view["retry"] is None),
                 {k: view["evidence"][k] for k in ("dispatch_started", "request_complete", "response_headers_received", "response_complete")},
             )
-            retry = Retry(view["retry"]) if view["retry"] else Retry.BACKOFF
             headers = {INVOCATION_HEADER: invocation_id, OUTCOME_HEADER: view["outcome"], CODE_HEADER: body["error"]["code"],
                        "x-should-retry": "true" if retry is Retry.BACKOFF else "false"}
             return JSONResponse(body, status_code=409, media_type=MEDIA_TYPE, headers=headers)
@@ -580,7 +582,10 @@ def _storable(invocation_id: str) -> bool:
 _DECIDED = frozenset({Outcome.COMMITTED.value, Outcome.REJECTED.value, Outcome.PARTIAL_EFFECT.value})
 
 
-def _no_result_message(outcome: str) -> str:
+def _no_result_message(outcome: str, *, in_flight: bool = False) -> str:
+    if in_flight:
+        return ("The invocation is still in flight: no complete response has been recorded yet. Fetch the result "
+                "again later (GET /v1/invocations/{id} says when it has ended); do not re-send the request.")
     if outcome in _DECIDED:
         return (f"The outcome is {outcome}, but no response was stored to replay: an operator's reconciliation "
                 "decided it (its RECONCILED event in GET /v1/invocations/{id} says how), or the result could not be "

@@ -197,6 +197,13 @@ def test_a_late_result_after_the_response_timeout_becomes_fetchable(broker, upst
     with broker.client() as client:
         response = client.post(PLAIN + "/h/slow?delay=1.8", content=b"{}")
     body = envelope_of(response, 504, "REMOTE_OUTCOME_UNKNOWN", "remote_execution", "unknown")
+    # Still in flight: no result yet, and nothing that reads as "send the POST again".
+    with broker.api() as api:
+        early = api.get(f"/v1/invocations/{body['invocation_id']}/result")
+    assert early.status_code == 409 and early.headers["x-should-retry"] == "false", early.headers
+    pending = check_envelope(early.content)
+    assert (pending["error"]["outcome"], pending["error"]["retry"]) == ("unknown", "fetch_result"), pending
+    assert "in flight" in pending["error"]["message"]
     record = broker.wait_for(body["invocation_id"], lambda r: r["stage"] == "delivery_failed", timeout=10)
     assert record["caller_disposition"] == "timed_out", "the caller's timed-out wait is never rewritten"
     assert record["outcome"] == "committed" and record["retry"] == "fetch_result"
