@@ -307,8 +307,10 @@ def create_app(
         if (refused := await _token_refusal(request)) is not None:
             return refused
         # FastAPI's own 422, except that a NaN or an Infinity in the body (Python's JSON reader takes
-        # them, JSON has no such numbers) is echoed as the text it was: encoding it failed the answer.
-        return JSONResponse({"detail": _finite(jsonable_encoder(exc.errors()))}, status_code=422)
+        # them, JSON has no such numbers) is echoed as the text it was, and so is a body it did not
+        # read as JSON (no JSON Content-Type) whose bytes are not UTF-8: encoding either failed the answer.
+        errors = jsonable_encoder(exc.errors(), custom_encoder={bytes: lambda b: b.decode("utf-8", "backslashreplace")})
+        return JSONResponse({"detail": _finite(errors)}, status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:

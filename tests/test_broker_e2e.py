@@ -476,6 +476,11 @@ def test_a_nan_or_infinity_in_a_body_gets_a_422(broker: BrokerProcess, upstream:
             assert answer.status_code == 422, (path, answer.text)
             [problem] = answer.json()["detail"]
             assert problem["loc"][0] == "body" and isinstance(problem["input"], str), problem
+        # Not sent as JSON, and not UTF-8 either: FastAPI hands the raw bytes to the 422.
+        for content_type in (None, "application/x-www-form-urlencoded"):
+            for path in ("/v1/invocations/act_nope/reconcile", "/v1/approvals/act_nope"):
+                answer = _seen(api.post(path, content=b"\xc3\x28", headers={"Content-Type": content_type} if content_type else {}))
+                assert answer.status_code == 422 and answer.json()["detail"][0]["loc"][0] == "body", (path, answer.text)
     _no_traceback_since(broker, offset)
 
 
