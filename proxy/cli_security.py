@@ -18,7 +18,7 @@ from typing import Annotated, Any, Awaitable, Callable, NoReturn, Optional, Type
 import typer
 from sqlalchemy.exc import SQLAlchemyError
 
-from .cli_operator import ConfigOption, settings_or_exit
+from .cli_operator import ConfigOption, settings_or_exit, with_engine
 from .config import ConfigError, load_settings
 from .credentials import CredentialUnavailable
 
@@ -144,7 +144,7 @@ def secrets_list(config: ConfigOption = None) -> None:
     from . import vault
 
     settings = settings_or_exit(config)
-    listing = _with_engine(settings.database.url, vault.list_secrets)
+    listing = with_engine(settings, vault.list_secrets)  # a read: a SQLite journal that is not there is said so
     if not listing:
         typer.echo("affidavit: the vault is empty; store a secret with `affidavit secrets set NAME`")
         return

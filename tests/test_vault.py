@@ -320,6 +320,17 @@ def in_terminal(argv: list[str], *, cwd: Path, env: dict[str, str], answers: lis
     return output.decode(errors="replace"), os.waitstatus_to_exitcode(status)
 
 
+def test_secrets_list_where_there_is_no_journal_says_so_and_creates_none(tmp_path: Path):
+    """A read, like every other: run in the wrong directory it must not leave an empty journal
+    behind (after which the other commands would advise `db upgrade` there)."""
+    workdir = tmp_path / "elsewhere"
+    workdir.mkdir()
+    config = write_config(workdir, f"sqlite+aiosqlite:///{workdir / 'journal.db'}")
+    done = run_cli("secrets_app", "list", "-c", str(config), cwd=workdir, env=cli_env(generate_key()))
+    assert done.returncode == 1 and f"no journal at {workdir / 'journal.db'}" in done.stderr, done.stderr
+    assert not (workdir / "journal.db").exists()
+
+
 def test_secrets_set_on_a_new_sqlite_journal_creates_it_as_the_broker_would(tmp_path: Path):
     """The vault lives in the journal; on the embedded default a fresh directory has none yet."""
     workdir = tmp_path / "fresh"
