@@ -473,6 +473,9 @@ def create_app(
     async def reconcile_invocation(
         invocation_id: str, body: ReconcileBody, who: Annotated[Principal, Depends(operator_only)]
     ) -> dict[str, Any]:
+        if body.lookup and body.outcome is not None:
+            raise ApiError(422, "Outcome and lookup", "Give an outcome, or lookup=true to have the remote's answer "
+                                                      "decide it, not both; nothing was changed.")
         row = await visible(invocation_id, who)
         outcome, certainty, reference, note = body.outcome, body.certainty, body.reference, body.note
         lookup = None

@@ -390,6 +390,9 @@ def reconcile(
     if outcome is None and not lookup:
         raise typer.BadParameter(f"say what happened ({', '.join(findings)}), or ask the remote with --lookup",
                                  param_hint="--outcome")
+    if outcome is not None and lookup:
+        raise typer.BadParameter("give an outcome or ask the remote with --lookup, not both: the lookup's answer is "
+                                 "the finding then", param_hint="--outcome")
     settings = settings_or_exit(config)
     body = {"outcome": outcome, "reference": reference, "note": note, "lookup": lookup}
     if override:  # only when asked: a broker from before the field refuses unknown fields

@@ -129,6 +129,13 @@ def test_the_cli_refuses_a_finding_that_is_none_before_it_asks_the_broker(broker
         err = " ".join(re.sub("[\u2500-\u257f]", " ", done.stderr.decode()).split())  # rich's box, unwrapped
         assert done.returncode == 2 and says in err and "committed, rejected, partial_effect" in err, err
         assert "literal_error" not in err and "lookup=true" not in err, err
+    # Both an outcome and --lookup: which one would decide? Neither is dropped silently.
+    done = broker.command("reconcile", "act_01M8TRTD8RSQZTD7JJN9HZ5237", "--outcome", "committed", "--lookup")
+    err = " ".join(re.sub("[\u2500-\u257f]", " ", done.stderr.decode()).split())
+    assert done.returncode == 2 and "not both" in err, err
+    with broker.operator() as api:
+        both = api.post("/v1/invocations/act_01M8TRTD8RSQZTD7JJN9HZ5237/reconcile", json={"outcome": "rejected", "lookup": True})
+    assert both.status_code == 422 and "not both" in both.json()["detail"], both.text
     for limit in ("0", "-5", "501"):
         done = broker.command("invocations", "list", "--limit", limit)
         assert done.returncode == 2 and "--limit" in done.stderr.decode(), done.stderr.decode()
