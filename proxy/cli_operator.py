@@ -143,7 +143,7 @@ def _invocations() -> None:
 @invocations_app.command("list")
 def invocations_list(
     config: ConfigOption = None,
-    outcome: Annotated[Optional[str], typer.Option(help="not_attempted, rejected, committed, unknown")] = None,
+    outcome: Annotated[Optional[str], typer.Option(help="not_attempted, rejected, committed, partial_effect, unknown")] = None,
     route: Optional[str] = None,
     phase: Optional[str] = None,
     code: Optional[str] = None,

@@ -129,6 +129,8 @@ def supervise(settings: Settings, config: Path | None, workers: int, announce=pr
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        if stopping.is_set():  # a signal: every worker has stopped, as one broker says when it has
+            print("affidavit: stopped", flush=True)
 
 
 def _await_start(pool: list[Worker], stopping: threading.Event) -> int | None:

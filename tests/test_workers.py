@@ -188,4 +188,5 @@ def test_without_a_configuration_file_the_defaults_notice_is_said_once_not_per_w
             rest, _ = proc.communicate()
     text = "".join(seen) + rest
     assert "workers share these ports" in text, text[-3000:]
+    assert proc.returncode == 0 and text.rstrip().endswith("affidavit: stopped"), text[-3000:]
     assert text.count("using the built-in defaults") == 1, text[-3000:]
