@@ -823,7 +823,9 @@ class Broker:
         """
         route = next((r for r in self.settings.routes if r.name == row["route"]), None)
         if route is None or route.lookup is None:
-            raise LookupUnavailable(f"route {row['route']!r} declares no lookup")
+            raise LookupUnavailable(f"route {row['route']!r} declares no lookup: give the outcome yourself "
+                                    "(--outcome, or outcome in the body), or declare a lookup on the route "
+                                    "(docs/configuration.md#lookup)")
         _, events = await queries.events_of(self.journal.engine, row["invocation_id"], self.journal.decode_payload)
         job_ref = next((e.get("job_ref") for e in reversed(events) if e.kind is EventKind.REMOTE_RESPONSE_COMPLETE), None)
         values = {"key": row["idempotency_key"], "invocation_id": row["invocation_id"], "job_ref": job_ref}

@@ -47,7 +47,8 @@ def read_source(source: str, *, what: str) -> tuple[str, str]:
     if scheme == "env":
         value = os.environ.get(ref)
         if not value:
-            raise CredentialUnavailable(Code.CREDENTIAL_MISSING, f"{what}: environment variable {ref} is not set")
+            state = "is not set" if value is None else "is set but empty"
+            raise CredentialUnavailable(Code.CREDENTIAL_MISSING, f"{what}: environment variable {ref} {state}")
         return value, "env"
     if scheme == "file":
         path = Path(ref)
@@ -62,7 +63,10 @@ def read_source(source: str, *, what: str) -> tuple[str, str]:
             raise CredentialUnavailable(Code.CREDENTIAL_MISSING, f"{what}: {path} is empty")
         return value, f"file-{stat.st_mtime_ns}"
     if scheme == "vault":
-        raise CredentialUnavailable(Code.VAULT_LOCKED, f"{what}: the vault is not available in this broker")
+        raise CredentialUnavailable(
+            Code.VAULT_LOCKED,
+            f"{what}: the vault is not available in this broker for this: it holds upstream credentials ([[secrets]] "
+            "from) only; give this one as env:NAME or file:/path")
     raise CredentialUnavailable(Code.CREDENTIAL_MISSING, f"{what}: unsupported source")
 
 

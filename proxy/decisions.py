@@ -107,11 +107,15 @@ async def reconcile(
             )
         overturned = contradicted_answer(record, outcome)
         if overturned is not None and not override:
-            held = "says" if record.reconciled_outcome is None else "was answered, and a later finding made it"
+            if record.reconciled_outcome is None:
+                held = (f"the remote's complete answer (status {record.status}) says {overturned.value}, and a finding "
+                        f"of {outcome.value} would overturn it")
+            else:
+                held = (f"an earlier finding set the outcome to {overturned.value} against the remote's complete answer "
+                        f"(status {record.status}), and a finding of {outcome.value} would overturn that finding")
             raise DecisionRefused(
                 409,
-                f"invocation {row['invocation_id']}: the remote's complete answer (status {record.status}) {held} "
-                f"{overturned.value}, and a finding of {outcome.value} would overturn that. Nothing was changed. If you "
+                f"invocation {row['invocation_id']}: {held}. Nothing was changed. If you "
                 "are sure (the remote undid the operation, its status was wrong, or an earlier finding was), send "
                 "override=true (affidavit reconcile --override).",
             )

@@ -142,6 +142,9 @@ def test_affidavit_run_refuses_a_missing_token(tmp_path):
     done = subprocess.run([AFFIDAVIT, "run", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
     assert done.returncode == 2
     assert "agents[0].token: environment variable BUILDER_TOKEN is not set" in done.stderr
+    done = subprocess.run([AFFIDAVIT, "run", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env={**env, "BUILDER_TOKEN": ""})
+    assert done.returncode == 2 and "agents[0].token: environment variable BUILDER_TOKEN is set but empty" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("taken", ["proxy", "api"])
@@ -367,6 +370,16 @@ def test_a_broker_older_than_its_schema_says_so_instead_of_advising_an_upgrade(t
         done = subprocess.run([AFFIDAVIT, "run"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
         assert done.returncode == 2, done.stderr[-2000:]
         assert "the schema is at 9999, which a newer broker made" in done.stderr and "Traceback" not in done.stderr
+    finally:
+        drop()
+    url, drop = fresh_database(pg_admin_url)  # never upgraded, and not to be upgraded at start
+    try:
+        env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")},
+               "AFFIDAVIT_DATABASE__URL": url, "AFFIDAVIT_DATABASE__AUTO_UPGRADE": "false"}
+        done = subprocess.run([AFFIDAVIT, "run"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert "the database has no journal schema yet, this broker needs" in done.stderr, done.stderr[-2000:]
+        assert "Run `affidavit db upgrade` first" in done.stderr
     finally:
         drop()
 

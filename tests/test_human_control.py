@@ -154,7 +154,8 @@ def test_a_finding_against_a_complete_response_is_refused_unless_it_says_overrid
     with broker.operator() as api:
         refused = api.post(f"/v1/invocations/{invocation_id}/reconcile", json={"outcome": "rejected", "note": "refunded"})
     assert refused.status_code == 409
-    assert "status 200" in refused.json()["detail"] and "override=true" in refused.json()["detail"]
+    assert "status 200) says committed, and a finding of rejected would overturn it." in refused.json()["detail"], refused.text
+    assert "override=true" in refused.json()["detail"]
     assert broker.invocation(invocation_id, broker.operator_token)["events"] == before["events"], "nothing was appended"
     done = broker.command("reconcile", invocation_id, "--outcome", "rejected", "--note", "refunded")
     assert done.returncode != 0 and b"--override" in done.stdout + done.stderr
@@ -168,7 +169,9 @@ def test_a_finding_against_a_complete_response_is_refused_unless_it_says_overrid
         # Re-stating the finding (to add a reference) overturns nothing; going back does.
         assert api.post(f"/v1/invocations/{invocation_id}/reconcile", json={"outcome": "rejected", "reference": "re_1"}).status_code == 200
         back = api.post(f"/v1/invocations/{invocation_id}/reconcile", json={"outcome": "committed"})
-        assert back.status_code == 409 and "later finding made it rejected" in back.json()["detail"]
+        assert back.status_code == 409, back.text
+        assert ("an earlier finding set the outcome to rejected against the remote's complete answer (status 200), and a "
+                "finding of committed would overturn that finding." in back.json()["detail"]), back.text
     assert broker.invocation(invocation_id, broker.operator_token)["outcome"] == "rejected"
 
 
