@@ -38,17 +38,23 @@ invocations_app = typer.Typer(help="Recorded invocations, straight from the jour
 console = Console()
 
 
-def settings_or_exit(config: Path | None, *, quiet: bool = False) -> Settings:
-    """The configuration, or exit 2 saying why. Without ``--config`` and without ``./affidavit.toml``
-    the built-in defaults apply, which is said on stderr (unless ``quiet``: a worker, whose
-    supervisor said it once): a command run from the wrong directory would otherwise look at the
-    wrong journal without a word."""
-    if config is None and not DEFAULT_CONFIG.is_file() and not quiet:
+def defaults_notice(config: Path | None) -> None:
+    """Say on stderr that the built-in defaults apply, when there is no configuration file."""
+    if config is None and not DEFAULT_CONFIG.is_file():
         typer.echo(
             f"affidavit: no --config and no {DEFAULT_CONFIG} in {Path.cwd()}: using the built-in defaults "
             "and AFFIDAVIT_* variables",
             err=True,
         )
+
+
+def settings_or_exit(config: Path | None, *, quiet: bool = False) -> Settings:
+    """The configuration, or exit 2 saying why. Without ``--config`` and without ``./affidavit.toml``
+    the built-in defaults apply, which is said on stderr (unless ``quiet``: a worker, whose
+    supervisor said it once): a command run from the wrong directory would otherwise look at the
+    wrong journal without a word."""
+    if not quiet:
+        defaults_notice(config)
     try:
         return load_settings(config)
     except ConfigError as exc:

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Awaitable, Callable, NoReturn, Optional, Type
 import typer
 from sqlalchemy.exc import SQLAlchemyError
 
-from .cli_operator import ConfigOption, settings_or_exit, with_engine
+from .cli_operator import ConfigOption, defaults_notice, settings_or_exit, with_engine
 from .config import ConfigError, load_settings
 from .credentials import CredentialUnavailable
 
@@ -270,6 +270,7 @@ def _private_dirs(directory: Path) -> None:
 def _existing_keys(config: Path | None) -> list[str]:
     """The configured key references (not keys), so the printed line keeps them; none without a
     configuration file. An invalid one is refused (exit 2), as every command that reads it does."""
+    defaults_notice(config)
     try:
         return list(load_settings(config).crypto.keys)
     except ConfigError as exc:

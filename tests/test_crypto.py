@@ -204,6 +204,14 @@ def test_keys_generate_writes_a_private_key_file_and_prints_only_how_to_referenc
     assert again.returncode == 2 and "never overwritten" in again.stderr
     assert out.read_text().strip() == key
 
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    bare = subprocess.run(  # no configuration file here: said, as every command says it
+        [sys.executable, "-c", runner, "generate", "--id", "k3", "--out", str(elsewhere / "k3.key")],
+        capture_output=True, text=True, cwd=elsewhere, env=env, timeout=60,
+    )
+    assert bare.returncode == 0 and "no --config and no affidavit.toml" in bare.stderr, bare.stderr
+
 
 def test_keys_generate_refuses_an_invalid_configuration_and_makes_missing_directories_private(tmp_path):
     """It reads the configuration for the keys already listed: an invalid one is exit 2, as for
