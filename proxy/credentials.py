@@ -65,8 +65,9 @@ def read_source(source: str, *, what: str) -> tuple[str, str]:
     if scheme == "vault":
         raise CredentialUnavailable(
             Code.VAULT_LOCKED,
-            f"{what}: the vault is not available in this broker for this: it holds upstream credentials ([[secrets]] "
-            "from) only; give this one as env:NAME or file:/path")
+            f"{what}: the vault is not available in this broker (it holds upstream credentials, [[secrets]] from = "
+            "\"vault:NAME\", once [crypto] keys are configured; agent and operator tokens come from env:NAME or "
+            "file:/path)")
     raise CredentialUnavailable(Code.CREDENTIAL_MISSING, f"{what}: unsupported source")
 
 

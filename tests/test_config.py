@@ -145,6 +145,10 @@ def test_affidavit_run_refuses_a_missing_token(tmp_path):
     done = subprocess.run([AFFIDAVIT, "run", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path,
                           env={**env, "BUILDER_TOKEN": ""})
     assert done.returncode == 2 and "agents[0].token: environment variable BUILDER_TOKEN is set but empty" in done.stderr, done.stderr
+    vaulted = write(tmp_path, good(tmp_path).replace('token = "env:BUILDER_TOKEN"', 'token = "vault:builder"'))
+    done = subprocess.run([AFFIDAVIT, "run", "--config", str(vaulted)], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 2 and "agents[0].token: the vault is not available" in done.stderr, done.stderr
+    assert "agent and operator tokens come from env:NAME or file:/path" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("taken", ["proxy", "api"])
