@@ -17,6 +17,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -329,6 +330,44 @@ else:
     response = send({})
     print(json.dumps({"status": response.status_code, "invocation_id": response.headers.get("affidavit-invocation-id")}))
 """
+
+
+TIMEOUT_SNIPPET = """
+import json, sys, openai
+base_url, key = sys.argv[1], sys.argv[2]
+
+def without_authorization(request):
+    request.headers.pop("Authorization", None)
+
+# The SDK's default retries, and a timeout shorter than the upstream takes to answer.
+client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=0.4,
+                       http_client=openai.DefaultHttpxClient(event_hooks={"request": [without_authorization]}))
+try:
+    client.chat.completions.create(model="gpt-test", messages=[{"role": "user", "content": "pay"}],
+                                   extra_headers={"Idempotency-Key": key} if key else None)
+    print(json.dumps({"raised": None}))
+except openai.APIError as exc:
+    print(json.dumps({"raised": type(exc).__name__}))
+"""
+
+
+@pytest.mark.parametrize("key", ["", "chat-order-7"])
+def test_openai_sdk_retries_of_its_own_timeouts_are_new_sends_unless_each_call_has_a_key(
+    broker: BrokerProcess, agent_env: dict[str, str], fresh: HostileUpstream, key: str
+):
+    """No envelope answers the SDK's own timeout, so x-should-retry cannot stop its retry: without a
+    key each one is a new invocation, executed upstream (what docs/clients.md warns of); with an
+    Idempotency-Key the broker binds the retries to the first send and the upstream runs it once."""
+    result = python(TIMEOUT_SNIPPET, agent_env, "https://openai-lost.example.test/h/slow/v1", key)
+    if not key:
+        assert result["raised"] == "APITimeoutError", result
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(r.response_status is None for r in fresh.received):
+        time.sleep(0.05)  # each send the upstream took is answered after its 1 s
+    if key:
+        assert fresh.effects == 1, [r.header("Idempotency-Key") for r in fresh.received]
+    else:
+        assert fresh.effects > 1, "the SDK's own retries went out as new operations"
 
 
 def test_openai_sdk_lost_response_is_reconciled_not_resent_with_recovery(
