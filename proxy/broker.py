@@ -93,6 +93,8 @@ IDEMPOTENCY_KEY_HEADER = "Affidavit-Idempotency-Key"
 
 #: Response headers never stored with a result (they may carry session secrets).
 _UNSTORED_HEADERS = frozenset({"set-cookie", "set-cookie2", "authorization", "proxy-authorization"})
+#: Stages of a complete upstream answer whose result is being made durable.
+_RECORDING = frozenset({Stage.RESPONSE_COMPLETE, Stage.COMMITTED})
 
 
 class Flag:
@@ -949,6 +951,12 @@ class Broker:
         # waits at most the response timeout.
         timeout = route.response_timeout or self.settings.upstream.response_timeout
         await _settled_or_released(loop, task, req.caller_gone, exchange.dispatched, timeout)
+        if not task.done() and not req.caller_gone.is_set() and entry.record.stage in _RECORDING:
+            # The upstream's complete answer is in hand and only its record is on the way: the
+            # response timeout is the upstream's, not the journal's. That commit is bounded by the
+            # journal's own timeout; then the caller gets the answer (flagged RESULT_STORE_FAILED
+            # if it could not be stored), never a 504 that calls a complete answer missing.
+            await _settled_or_released(loop, task, req.caller_gone, Flag(), timeout)
         if task.done():
             return await self._answer(exchange, task.result())
         disposition = req.left_as.value if req.caller_gone.is_set() else "timed_out"
@@ -1412,6 +1420,8 @@ def evidence_from(record: Record | None, identity: Identity, *, timed_out: bool 
 def _provisional_end(entry: InvocationLog) -> tuple[Outcome, Retry]:
     """What the record would say if the exchange ended now without a result."""
     record = entry.record
+    if record.stage in _RECORDING:  # the complete answer is in hand: it is recorded, or repaired, then fetched
+        return record.outcome, Retry.FETCH_RESULT
     if record.dispatch_started and not record.ended:
         record = apply(record, Event(EventKind.FAILED, {"phase": Phase.REMOTE_EXECUTION, "code": Code.REMOTE_OUTCOME_UNKNOWN}))
     retry = entry.retry_for(record) or Retry.RECONCILE

@@ -669,6 +669,41 @@ def test_dispatch_started_is_durable_before_the_first_request_byte(make_broker, 
     assert connections == ["new", "reused", "reused"]
 
 
+def test_a_complete_answer_whose_record_is_slow_is_delivered_not_timed_out(make_broker, upstream: HostileUpstream, pg_admin_url):
+    """The response timeout is the upstream's: once the complete answer is in hand and only its
+    record is slow to commit (here: another session holds a lock the result's row needs), the
+    caller waits for that commit (bounded by the journal's timeout) and gets the answer, not a
+    504 that calls it missing (nor a crash, as when its provisional end was worked out)."""
+    import threading
+
+    routes = standard_routes(upstream)
+    routes[0] = {**routes[0], "response_timeout": "1s"}
+    broker = make_broker("postgresql", routes=routes)
+    with broker.client() as client:
+        assert client.get(f"{PAYMENTS}/h/ok").status_code == 200  # warm: connections, statements
+        held = threading.Event()
+
+        def lock_results() -> None:
+            subprocess.run(["psql", "-X", "-q", "-d", broker.database_url.replace("+asyncpg", ""), "-c",
+                            "BEGIN; LOCK TABLE results IN EXCLUSIVE MODE; SELECT pg_sleep(2.5); COMMIT;"],
+                           capture_output=True, timeout=30)
+
+        locker = threading.Thread(target=lock_results)
+        locker.start()
+        time.sleep(0.5)  # the lock is taken
+        started = time.monotonic()
+        r = client.post(f"{PAYMENTS}/h/status?code=201", content=b'{"amount": 3}')
+        waited = time.monotonic() - started
+        locker.join()
+    assert r.status_code == 201 and r.headers["affidavit-outcome"] == "committed", r.text
+    assert "affidavit-code" not in r.headers, "stored, so not flagged"
+    assert 1.2 < waited < 5, waited
+    record = broker.wait_for(r.headers["affidavit-invocation-id"], lambda rec: rec["stage"] == "delivered")
+    assert record["caller_disposition"] == "completed" and record["outcome"] == "committed"
+    assert [e["seq"] for e in record["events"]] == list(range(1, len(record["events"]) + 1)), "no gap in the record"
+    assert "Traceback" not in broker.logs()
+
+
 #: A credential with characters a JSON document, a query string or an HTML page spells otherwise.
 SPECIAL_KEY = 'sk_p@ss/w+rd"q<y>&\\z ' + CANARIES["PAYMENTS_KEY"][-8:]
 
