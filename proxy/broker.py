@@ -1114,6 +1114,8 @@ class Broker:
     async def _repair(self, entry: InvocationLog, status: int, handed: asyncio.Future[CallerDisposition | None] | None) -> None:
         """Record a complete result the journal refused, once the journal takes writes again.
 
+        It tries for as long as this broker runs (the answer is in its memory, and only requests
+        in flight when the journal went away have one: new ones are refused before dispatch).
         Until then the record shows the request dispatched and unfinished; if the broker stops
         first, recovery closes it as ``unknown`` (the broker cannot prove the result it saw).
         """
@@ -1122,18 +1124,23 @@ class Broker:
             "nothing will be re-sent; retrying to record it",
             entry.invocation_id, status,
         )
-        deadline = time.monotonic() + self.settings.upstream.result_horizon
+        patience = time.monotonic() + self.settings.upstream.result_horizon
+        pause = 1.0
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(pause)
             try:
                 await entry.resubmit()
                 break
             except LeaseLost:
                 break  # the rows were there already: the failed commit had landed after all
             except JournalUnavailable:
-                if time.monotonic() > deadline:
-                    log.error("gave up recording the result of %s; recovery will close it as unknown", entry.invocation_id)
-                    return
+                if patience is not None and time.monotonic() > patience:
+                    patience = None
+                    log.error("invocation %s: its result is still not recorded (the journal does not take writes); "
+                              "the broker keeps it and keeps trying while it runs. If it stops first, recovery "
+                              "closes the record as unknown: reconcile it then (the upstream answered %s).",
+                              entry.invocation_id, status)
+                pause = min(pause * 2, 5.0)
         if handed is None:  # no one was waiting: the caller's wait ended before, and is recorded
             left: CallerDisposition | None = entry.record.caller_disposition
             if left is CallerDisposition.WAITING:

@@ -365,9 +365,14 @@ def test_a_read_the_database_answers_with_an_error_is_not_reported_as_an_outage(
     assert "answered 500, nothing sent" in broker.logs()
 
 
-def test_a_result_that_cannot_be_stored_is_delivered_flagged_and_recorded_later(relayed_pg, make_broker, upstream):
+@pytest.mark.parametrize("outage", [0.0, 3.5])
+def test_a_result_that_cannot_be_stored_is_delivered_flagged_and_recorded_later(relayed_pg, make_broker, upstream, outage):
+    """``outage`` 3.5 s: the journal stays away longer than [upstream] result_horizon (2 s here);
+    the broker keeps the answer and records it when the journal returns, rather than leave the
+    record in flight for as long as it runs."""
     url, relay = relayed_pg
-    broker = _start_on(make_broker, upstream, url, env={"AFFIDAVIT_FAILPOINTS": "after_dispatch_commit=pause:1@1"})
+    broker = make_broker(routes=crash_routes(upstream), db_url=url, env={"AFFIDAVIT_FAILPOINTS": "after_dispatch_commit=pause:1@1"},
+                         **{"upstream": {"result_horizon": "2s"}})
     result: dict[str, httpx.Response] = {}
 
     def call() -> None:
@@ -385,6 +390,7 @@ def test_a_result_that_cannot_be_stored_is_delivered_flagged_and_recorded_later(
     assert response.headers["affidavit-outcome"] == "committed"
     invocation_id = response.headers["affidavit-invocation-id"]
     assert upstream.effects == 1
+    time.sleep(outage)
     relay.restore()
     record = broker.wait_for(invocation_id, lambda r: r["stage"] == "delivered", timeout=20)
     assert record["outcome"] == "committed"
