@@ -1096,8 +1096,10 @@ class Broker:
                 entry = InvocationLog(self.journal, identity_of(row), self.owner, record=record, persisted=True,
                                       generation=row["generation"])
                 entry.credential = (row["credential_id"], row["credential_version"], row["injection"])
-                for kind, data in closing_events(record, cause="journal unavailable at the dispatch write",
-                                                 code=Code.JOURNAL_UNAVAILABLE, answered=True):
+                for kind, data in closing_events(
+                    record, cause="journal unavailable at the dispatch write", code=Code.JOURNAL_UNAVAILABLE, answered=True,
+                    after_dispatch="the journal took DISPATCH_STARTED but did not confirm it, so this broker sent "
+                                   "nothing; the record cannot prove that (reconcile it)"):
                     entry.append(kind, **data)
                 await entry.commit()
                 return
@@ -1229,13 +1231,22 @@ class Broker:
         invocation_id = entry.invocation_id if entry is not None and entry.durable else None
         if entry is not None:  # even a failed commit may have landed: look once the journal answers
             self._spawn(self._close_when_journal_returns(entry.invocation_id))
+        unconfirmed = entry is not None and entry.record.dispatch_started  # DISPATCH_STARTED may have landed
         if message is None and invocation_id is None:
             message = ("The broker cannot write its journal, so it sent nothing (it never forwards without a durable "
-                       "record). No invocation was recorded. Retry after a delay; operators: check the database.")
+                       "record). No invocation was recorded" + (
+                           f", unless its write reached the database unconfirmed: then invocation {entry.invocation_id} "
+                           "is closed as unknown once the database answers (nothing was sent, but its record cannot "
+                           "prove it; an operator reconciles it)" if unconfirmed and entry is not None else "") +
+                       ". Retry after a delay; operators: check the database.")
         elif message is None:
             message = (f"The broker cannot write its journal, so it sent nothing (it never forwards without a durable "
                        f"record). Invocation {invocation_id} stays open until the database answers, then it is "
-                       "closed as not attempted. Retry after a delay with the same key; operators: check the database.")
+                       "closed as not attempted" + (
+                           ", or as unknown if its DISPATCH_STARTED reached the database unconfirmed (nothing was "
+                           "sent, but the record cannot prove it: its retry hint then says what a repeat may do, "
+                           "GET /v1/invocations/{id})" if unconfirmed else "") +
+                       ". Retry after a delay with the same key; operators: check the database.")
         body = envelope(invocation_id, Code.JOURNAL_UNAVAILABLE, Phase.VALIDATION, Outcome.NOT_ATTEMPTED, Retry.BACKOFF,
                         message, {"dispatch_started": False})
         headers = [("Content-Type", MEDIA_TYPE), ("Retry-After", "1"), (CODE_HEADER, Code.JOURNAL_UNAVAILABLE.value),

@@ -56,12 +56,14 @@ IN_FLIGHT = (
 
 
 def closing_events(
-    record: Record, *, cause: str = "broker restart", code: Code = Code.BROKER_RESTARTED, answered: bool = False
+    record: Record, *, cause: str = "broker restart", code: Code = Code.BROKER_RESTARTED, answered: bool = False,
+    after_dispatch: str | None = None,
 ) -> list[tuple[EventKind, dict[str, Any]]]:
     """What recovery appends to a record its owner left in flight (pure; see module docstring).
 
     ``cause``/``code`` say why it was left (a restart, or a journal write that failed at the
-    dispatch boundary); ``answered``: the caller did get an envelope.
+    dispatch boundary); ``answered``: the caller did get an envelope; ``after_dispatch``: the
+    basis to record if ``DISPATCH_STARTED`` is durable (default: the cause, after dispatch).
     """
     events: list[tuple[EventKind, dict[str, Any]]] = []
     if record.caller_disposition is CallerDisposition.WAITING and not answered:
@@ -75,7 +77,7 @@ def closing_events(
                                           "operator_attention": True}))
     elif record.stage in (Stage.DISPATCHED, Stage.SENT, Stage.RESPONDING):
         events.append((EventKind.FAILED, {"phase": Phase.REMOTE_EXECUTION, "code": Code.REMOTE_OUTCOME_UNKNOWN,
-                                          "basis": f"{cause} after dispatch"}))
+                                          "answered": answered or None, "basis": after_dispatch or f"{cause} after dispatch"}))
     else:
         phase = record.phase
         if any(a.stage for a in record.attempts) and record.stage is Stage.AUTHORIZED:

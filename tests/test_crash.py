@@ -281,6 +281,33 @@ def record_by_key_when_back(broker: BrokerProcess, relay: TcpRelay, key: str) ->
     return record_by_key(broker, key)
 
 
+def test_a_dispatch_write_that_lands_unacknowledged_is_answered_and_closed_as_what_it_is(relayed_pg, make_broker, upstream):
+    """DISPATCH_STARTED reaches the database, its acknowledgement never returns: the broker sent
+    nothing, but the record cannot prove that. The envelope says both ends this can have, and the
+    record ends unknown (never rewritten as not dispatched), its caller answered, its basis saying
+    what the broker knows."""
+    url, relay = relayed_pg
+    broker = _start_on(make_broker, upstream, url, env={"AFFIDAVIT_FAILPOINTS": "during_tls=pause:1.5@1"})
+    key = f"ju-{time.monotonic_ns()}"
+    result: dict[str, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: result.setdefault("r", post(broker, SAFE + "/h/ok", key)))
+    thread.start()
+    time.sleep(0.7)  # the key is bound durably; the broker pauses before DISPATCH_STARTED
+    relay.deafen()
+    thread.join(20)
+    body = check_envelope(result["r"].content)
+    assert (result["r"].status_code, body["error"]["code"], body["error"]["outcome"]) == (503, "JOURNAL_UNAVAILABLE", "not_attempted")
+    assert "or as unknown if its DISPATCH_STARTED reached the database unconfirmed" in body["error"]["message"], body
+    relay.restore()
+    record = broker.wait_for(body["invocation_id"], lambda r: r["retry"] is not None, timeout=20)
+    # The route declares an idempotency contract: a same-key re-send is what unknown allows here.
+    assert (record["outcome"], record["code"], record["retry"]) == ("unknown", "REMOTE_OUTCOME_UNKNOWN", "same_idempotency_key"), record
+    assert record["caller_disposition"] == "completed", "the caller was answered (the 503)"
+    failed = record["events"][-1]
+    assert failed["kind"] == "FAILED" and "did not confirm it, so this broker sent nothing" in failed["data"]["basis"], failed
+    assert [r for r in upstream.received if r.method] == [], "nothing was sent"
+
+
 def test_a_keyed_record_refused_at_the_dispatch_write_is_closed_when_the_journal_returns(relayed_pg, make_broker, upstream):
     url, relay = relayed_pg
     broker = _start_on(make_broker, upstream, url, env={"AFFIDAVIT_FAILPOINTS": "during_tls=pause:1.5@1"})

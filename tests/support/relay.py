@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 __all__ = ["TcpRelay"]
 
-Mode = Literal["forward", "cut", "blackhole"]
+Mode = Literal["forward", "cut", "blackhole", "deaf"]
 
 _CHUNK = 64 * 1024
 
@@ -62,6 +62,8 @@ class TcpRelay:
     * ``forward``: normal relaying (the state after ``start()`` and ``restore()``).
     * ``cut()``: every live connection is reset (RST) on both sides, and new
       ones are accepted and reset at once, so clients fail fast.
+    * ``deafen()``: what clients send still reaches the server, its answers are
+      held (until ``restore()``): a commit that lands and is never acknowledged.
     * ``blackhole()``: nothing moves in either direction; live connections stall
       with their data held, new connections are accepted but never answered.
       ``restore()`` lets held data and held connections continue, like a
@@ -91,6 +93,7 @@ class TcpRelay:
         self._thread: threading.Thread | None = None
         self._server: asyncio.Server | None = None
         self._flowing: asyncio.Event | None = None
+        self._answering: asyncio.Event | None = None
         self._listen_port: int | None = None
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
@@ -147,6 +150,10 @@ class TcpRelay:
         """Stop moving bytes: live connections stall, new ones are accepted and held."""
         self._call(self._set_mode("blackhole"))
 
+    def deafen(self) -> None:
+        """Requests still reach the server, its answers are held: a commit lands unacknowledged."""
+        self._call(self._set_mode("deaf"))
+
     def restore(self) -> None:
         """Forward normally again (held connections resume)."""
         self._call(self._set_mode("forward"))
@@ -185,14 +192,20 @@ class TcpRelay:
     async def _open(self) -> None:
         self._flowing = asyncio.Event()
         self._flowing.set()
+        self._answering = asyncio.Event()
+        self._answering.set()
         self._server = await asyncio.start_server(self._handle, self.listen_host, 0)
         self._listen_port = int(self._server.sockets[0].getsockname()[1])
 
     async def _set_mode(self, mode: Mode) -> None:
-        assert self._flowing is not None
+        assert self._flowing is not None and self._answering is not None
         self._mode = mode
-        if mode == "forward":
+        if mode in ("forward", "deaf"):
             self._flowing.set()
+            if mode == "forward":
+                self._answering.set()
+            else:
+                self._answering.clear()
             return
         self._flowing.clear()
         if mode == "cut":
@@ -232,7 +245,7 @@ class TcpRelay:
             if conn not in self._conns:  # cut while connecting
                 conn.reset()
                 return
-            await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
+            await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer, answers=True))
         except (asyncio.CancelledError, ConnectionError, OSError):
             pass
         finally:
@@ -241,9 +254,10 @@ class TcpRelay:
                 if w is not None and not w.transport.is_closing():
                     w.close()
 
-    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-        """Copy one direction; held while blackholed; on EOF pass a half-close along."""
-        assert self._flowing is not None
+    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, answers: bool = False) -> None:
+        """Copy one direction; held while blackholed (``answers``, the server's direction: also
+        while deaf); on EOF pass a half-close along."""
+        assert self._flowing is not None and self._answering is not None
         try:
             while True:
                 data = await src.read(_CHUNK)
@@ -252,6 +266,8 @@ class TcpRelay:
                         dst.write_eof()
                     return
                 await self._flowing.wait()
+                if answers:
+                    await self._answering.wait()
                 if self._mode == "cut":
                     return
                 dst.write(data)
