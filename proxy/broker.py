@@ -997,9 +997,19 @@ class Broker:
         )
 
     async def _finish_unanswered(self, entry: InvocationLog, task: asyncio.Task[_Settled], horizon: float) -> None:
+        settled: _Settled | None = None
         try:
-            settled = await asyncio.wait_for(asyncio.shield(task), horizon)
-        except asyncio.TimeoutError:
+            try:
+                settled = await asyncio.wait_for(asyncio.shield(task), horizon)
+            except asyncio.TimeoutError:
+                if entry.record.stage in _RECORDING:
+                    # The complete answer came within the horizon; only its record is slow to commit
+                    # (bounded by the journal's timeout). It ends as that commit does, never as unknown.
+                    settled = await task
+        except Exception:  # pragma: no cover - the exchange task itself never raises
+            log.exception("exchange %s crashed", entry.invocation_id)
+            return
+        if settled is None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             settled = _Settled(
@@ -1010,9 +1020,6 @@ class Broker:
                     headers_received=entry.record.response_headers_received,
                 )
             )
-        except Exception:  # pragma: no cover - the exchange task itself never raises
-            log.exception("exchange %s crashed", entry.invocation_id)
-            return
         self._end(entry, settled, answered=False)
         try:
             await entry.commit()
@@ -1131,10 +1138,8 @@ class Broker:
         while True:
             await asyncio.sleep(pause)
             try:
-                await entry.resubmit()
+                await entry.resubmit()  # every failed write, in order (one that had landed counts as done)
                 break
-            except LeaseLost:
-                break  # the rows were there already: the failed commit had landed after all
             except JournalUnavailable:
                 if patience is not None and time.monotonic() > patience:
                     patience = None
@@ -1152,7 +1157,8 @@ class Broker:
         if left is None:
             entry.append(EventKind.RESULT_DELIVERED, channel="proxy", recorded_after_delivery=True)
         else:
-            entry.append(EventKind.CALLER_CANCELLED, disposition=left.value)
+            if entry.record.caller_disposition is CallerDisposition.WAITING:  # else it is on the record already
+                entry.append(EventKind.CALLER_CANCELLED, disposition=left.value)
             entry.append(EventKind.FAILED, phase=Phase.RESULT_DELIVERY, code=Code.CALLER_CANCELLED)
         try:
             await entry.commit()

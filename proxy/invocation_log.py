@@ -20,7 +20,7 @@ from ulid import ULID
 
 from . import metrics
 from .contract import Event, EventKind, Operation, Record, Retry, apply, retry_hint
-from .store.journal import EventRow, Fence, Journal, JournalUnavailable, Write, projection_row
+from .store.journal import EventRow, Fence, Journal, JournalUnavailable, LeaseLost, Write, projection_row
 
 log = logging.getLogger("affidavit.invocations")
 
@@ -110,7 +110,9 @@ class InvocationLog:
         #: Some of this record is known to be durable (a commit of it succeeded).
         self.durable = persisted
         self._last: asyncio.Future[None] | None = None
-        self._last_write: Write | None = None
+        #: Writes not known to be durable yet, oldest first (pruned as they succeed): what
+        #: :meth:`resubmit` sends again after the journal failed them.
+        self._unconfirmed: list[Write] = []
         self._created_at = utcnow()
         #: The last failure's internal diagnostic (library or secret-source text, never a value),
         #: for the operator's end-of-invocation log line.
@@ -267,7 +269,8 @@ class InvocationLog:
         """The buffered events and the new projection, as one write after the previous one."""
         projection = self.projection()
         write = Write(events=self._buffer, result=result, fence=fence or self.fence(), after=self._last, lazy=lazy)
-        self._last_write = write
+        self._unconfirmed = [w for w in self._unconfirmed if not _durable(w)]
+        self._unconfirmed.append(write)
         self._buffer = []
         if self._persisted:
             write.update_invocation = projection_row(self.invocation_id, projection)
@@ -277,22 +280,29 @@ class InvocationLog:
             self._persisted = True
         return write
 
-    def resubmit(self) -> asyncio.Future[None]:
-        """Try the last write again, whole (after the journal failed it); later writes wait for it."""
-        last = self._last_write
-        if last is None:
-            raise RuntimeError("nothing was submitted")
-        again = Write(
-            events=last.events,
-            insert_invocation=last.insert_invocation,
-            update_invocation=last.update_invocation,
-            result=last.result,
-            fence=last.fence,
-            claim=last.claim,
-        )
-        self._last_write = again
-        self._last = self.journal.submit(again)
-        return self._last
+    async def resubmit(self) -> None:
+        """Send every write the journal failed again, oldest first, each whole, and wait for each.
+
+        A write whose rows are there already counts as done: its commit had landed, unconfirmed
+        (the journal refuses it as a conflicting write, :class:`LeaseLost`). Every later write
+        failed with it, unsent, and goes after it, so the record keeps each event, in order.
+        Raises :class:`JournalUnavailable` when the journal still fails; call it again then.
+        """
+        for write in [w for w in self._unconfirmed if not _durable(w)]:
+            again = Write(
+                events=write.events,
+                insert_invocation=write.insert_invocation,
+                update_invocation=write.update_invocation,
+                result=write.result,
+                fence=write.fence,
+                claim=write.claim,
+            )
+            self._last = self.journal.submit(again)
+            try:
+                await self._last
+            except LeaseLost:
+                pass  # the rows were there already
+            self._unconfirmed.remove(write)
 
     def submit_quietly(self) -> None:
         """Write-behind for facts nobody waits on; a failure surfaces at the next commit.
@@ -308,6 +318,11 @@ class InvocationLog:
     def broken(self) -> bool:
         last = self._last
         return last is not None and last.done() and (last.cancelled() or last.exception() is not None)
+
+
+def _durable(write: Write) -> bool:
+    future = write.future
+    return future is not None and future.done() and not future.cancelled() and future.exception() is None
 
 
 def _consume(future: asyncio.Future[None]) -> None:

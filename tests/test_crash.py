@@ -426,6 +426,45 @@ def test_a_result_that_cannot_be_stored_is_delivered_flagged_and_recorded_later(
     assert "operator attention" in broker.logs()
 
 
+def test_a_result_that_landed_unacknowledged_and_the_writes_after_it_are_all_recorded_in_order(relayed_pg, make_broker, upstream):
+    """The result's commit reaches the database but its acknowledgement does not, and the caller
+    hangs up meanwhile: when the journal answers again the broker sends every write it was not
+    told was durable, in order (the one that had landed counts as done), so the record has every
+    event, without a gap that `audit verify` would call a deletion."""
+    url, relay = relayed_pg
+    broker = _start_on(make_broker, upstream, url, env={"AFFIDAVIT_FAILPOINTS": "after_response_complete=pause:1@1"})
+    key = f"ra-{time.monotonic_ns()}"
+    outcome: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            with broker.client(timeout=1.8) as client:
+                client.post(CRASH + "/h/status?code=201", content=b"{}", headers={"Idempotency-Key": key})
+        except httpx.HTTPError as exc:  # the caller gives up while the result's commit hangs
+            outcome["gave_up"] = type(exc).__name__
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    time.sleep(0.6)  # the upstream has answered; the broker pauses before recording the result
+    relay.deafen()  # the result's commit will land, its acknowledgement will not
+    thread.join(20)
+    assert outcome.get("gave_up"), outcome
+    time.sleep(6)  # the journal's timeout fails the result's write, and everything after it
+    relay.restore()
+    invocation_id = record_by_key(broker, key)
+    record = broker.wait_for(invocation_id, lambda r: r["stage"] == "delivery_failed", timeout=30)
+    seqs = [e["seq"] for e in record["events"]]
+    assert seqs == list(range(1, len(seqs) + 1)), seqs
+    kinds = [e["kind"] for e in record["events"]]
+    assert kinds.count("RESULT_COMMITTED") == 1 and kinds.count("CALLER_CANCELLED") == 1, kinds
+    assert (record["outcome"], record["caller_disposition"]) == ("committed", "disconnected"), record
+    with broker.api() as api:
+        assert api.get(f"/v1/invocations/{invocation_id}/result").status_code == 201
+    verified = broker.command("audit", "verify")
+    assert verified.returncode == 0 and b"intact" in verified.stdout + verified.stderr, verified.stdout + verified.stderr
+    assert upstream.effects == 1
+
+
 def _load(broker: BrokerProcess, seconds: float, threads: int, tag: str) -> list[tuple[int, httpx.Response | None]]:
     """Requests from `threads` clients for `seconds`, each with a unique marker the upstream logs."""
     answers: list[tuple[int, httpx.Response | None]] = []
