@@ -583,3 +583,26 @@ def test_a_stop_signal_meant_for_the_broker_does_not_end_its_writer_process(tmp_
         await journal.engine.dispose()
 
     asyncio.run(scenario())
+
+
+def test_a_journal_file_deleted_while_the_broker_runs_fails_closed_and_says_where_it_still_is(tmp_path):
+    """An open SQLite connection goes on writing to a deleted file, and every commit succeeds:
+    durable to no one. The writer process checks, per batch, that the path is still the file it
+    opened; a deleted or replaced one fails the batch (nothing forwarded) and every one after it."""
+    path = tmp_path / "journal.db"
+    url = _migrated(path)
+
+    async def scenario() -> None:
+        journal = Journal(make_engine(url), writer="w1")
+        await journal.start()
+        await journal.commit(_write(new_invocation_id()))
+        for suffix in ("", "-wal", "-shm"):
+            Path(str(path) + suffix).unlink(missing_ok=True)
+        for _ in range(2):  # and it stays refused: no new, empty journal in its place
+            with pytest.raises(JournalUnavailable, match="was deleted or replaced while the broker ran"):
+                await journal.commit(_write(new_invocation_id()))
+        assert not path.exists()
+        await journal.close()
+        await journal.engine.dispose()
+
+    asyncio.run(scenario())

@@ -374,6 +374,7 @@ def _refused_checks(statements: SqliteStatements, checks: list[dict[str, Any]]) 
 def serve(path: str, timeout: float, requests: BinaryIO, answers: BinaryIO) -> None:
     """Answer batch documents from ``requests`` until end of file."""
     statements: SqliteStatements | None = None
+    opened: tuple[int, int] | None = None  # (device, inode) of the file the first connection opened
     while True:
         head = requests.read(_FRAME.size)
         if len(head) < _FRAME.size:
@@ -383,6 +384,7 @@ def serve(path: str, timeout: float, requests: BinaryIO, answers: BinaryIO) -> N
         if len(body) < size:
             break
         try:
+            opened = _still_the_journal(path, opened)  # before connecting, which would make a new, empty one
             if statements is None:
                 statements = SqliteStatements.connect(path, timeout)
             answer: dict[str, Any] = {"refused": apply_document(statements, orjson.loads(body))}
@@ -398,6 +400,28 @@ def serve(path: str, timeout: float, requests: BinaryIO, answers: BinaryIO) -> N
         answers.flush()
     if statements is not None:
         statements.close()
+
+
+def _still_the_journal(path: str, opened: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The file at ``path`` is the one this process opened first; raises if it was deleted or
+    replaced since (a connection would go on writing to the old, unlinked file: durable to no one
+    who looks, while every answer said "committed"). ``:memory:`` has no file."""
+    if path == ":memory:" or path.startswith("file:"):
+        return opened
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        stat = None
+    now = (stat.st_dev, stat.st_ino) if stat is not None else None
+    if opened is None and now is not None:
+        return now
+    if now != opened:
+        raise RuntimeError(
+            f"the journal file {path} was deleted or replaced while the broker ran; nothing was written (writes would "
+            f"go to a file no one reads). While this writer process (pid {os.getpid()}) lives, the file it had open is "
+            f"still readable in /proc/{os.getpid()}/fd (the entry marked '(deleted)'): copy it back to {path}, with "
+            "its -wal file, then restart the broker")
+    return opened
 
 
 def _die_with(parent: int) -> None:
