@@ -905,7 +905,10 @@ class Broker:
                 return dict(entry.record.approval)
             if entry.record.code is Code.APPROVAL_DENIED:
                 entry.append(EventKind.CALLER_ANSWERED)
-                entry.submit_quietly()
+                try:
+                    await entry.commit()
+                except (JournalUnavailable, LeaseLost):
+                    pass  # the denial stands whatever this fact's fate; the agent is told either way
                 return self._envelope_reply(
                     entry, Code.APPROVAL_DENIED, Phase.CREDENTIAL_INJECTION, Outcome.NOT_ATTEMPTED, Retry.AFTER_CORRECTION,
                     "An operator denied this request. Nothing was sent and no secret was touched.",
@@ -956,7 +959,9 @@ class Broker:
             # response timeout is the upstream's, not the journal's. That commit is bounded by the
             # journal's own timeout; then the caller gets the answer (flagged RESULT_STORE_FAILED
             # if it could not be stored), never a 504 that calls a complete answer missing.
-            await _settled_or_released(loop, task, req.caller_gone, Flag(), timeout)
+            now = Flag()
+            now.set()  # the clock starts at once: a bound beyond the journal's own (a batch ahead, then this one)
+            await _settled_or_released(loop, task, req.caller_gone, now, 2 * self.journal.timeout)
         if task.done():
             return await self._answer(exchange, task.result())
         disposition = req.left_as.value if req.caller_gone.is_set() else "timed_out"
@@ -985,14 +990,15 @@ class Broker:
         except JournalUnavailable:
             pass
         provisional = _provisional_end(entry)
+        if entry.record.stage in _RECORDING:
+            message = ("The upstream's complete response arrived, but the journal did not make it durable in time, "
+                       "so the broker cannot hand it over yet; it keeps trying to record it. The effect is unknown "
+                       "until then: fetch the result later (GET /v1/invocations/{id}/result); do not re-send.")
+        else:
+            message = ("No complete response arrived within the response timeout. The request was sent, so the "
+                       "effect is unknown. The broker keeps listening; ask GET /v1/invocations/{id} before any retry.")
         return self._envelope_reply(
-            entry,
-            Code.REMOTE_OUTCOME_UNKNOWN,
-            Phase.REMOTE_EXECUTION,
-            provisional[0],
-            provisional[1],
-            "No complete response arrived within the response timeout. The request was sent, so the "
-            "effect is unknown. The broker keeps listening; ask GET /v1/invocations/{id} before any retry.",
+            entry, Code.REMOTE_OUTCOME_UNKNOWN, Phase.REMOTE_EXECUTION, provisional[0], provisional[1], message,
             timed_out=True,
         )
 
@@ -1005,7 +1011,7 @@ class Broker:
                 if entry.record.stage in _RECORDING:
                     # The complete answer came within the horizon; only its record is slow to commit
                     # (bounded by the journal's timeout). It ends as that commit does, never as unknown.
-                    settled = await task
+                    settled = await asyncio.shield(task)
         except Exception:  # pragma: no cover - the exchange task itself never raises
             log.exception("exchange %s crashed", entry.invocation_id)
             return
@@ -1133,13 +1139,19 @@ class Broker:
             "nothing will be re-sent; retrying to record it",
             entry.invocation_id, status,
         )
-        patience = time.monotonic() + self.settings.upstream.result_horizon
+        patience: float | None = time.monotonic() + self.settings.upstream.result_horizon
         pause = 1.0
         while True:
             await asyncio.sleep(pause)
             try:
                 await entry.resubmit()  # every failed write, in order (one that had landed counts as done)
                 break
+            except LeaseLost:
+                log.error("operator attention: invocation %s: while its result waited to be recorded, another broker "
+                          "closed its record (its owner looked dead); the upstream's answer (status %s) is not on the "
+                          "record and never will be from here. Reconcile it with that status; nothing was re-sent.",
+                          entry.invocation_id, status)
+                return
             except JournalUnavailable:
                 if patience is not None and time.monotonic() > patience:
                     patience = None
@@ -1147,7 +1159,7 @@ class Broker:
                               "the broker keeps it and keeps trying while it runs. If it stops first, recovery "
                               "closes the record as unknown: reconcile it then (the upstream answered %s).",
                               entry.invocation_id, status)
-                pause = min(pause * 2, 5.0)
+                pause = min(pause * 2, 30.0)  # alone in its batch: a write that keeps failing fails nothing else
         if handed is None:  # no one was waiting: the caller's wait ended before, and is recorded
             left: CallerDisposition | None = entry.record.caller_disposition
             if left is CallerDisposition.WAITING:
@@ -1237,7 +1249,8 @@ class Broker:
         invocation_id = entry.invocation_id if entry is not None and entry.durable else None
         if entry is not None:  # even a failed commit may have landed: look once the journal answers
             self._spawn(self._close_when_journal_returns(entry.invocation_id))
-        unconfirmed = entry is not None and entry.record.dispatch_started  # DISPATCH_STARTED may have landed
+        # This attempt's DISPATCH_STARTED was the write refused, and may have landed.
+        unconfirmed = entry is not None and entry.record.stage is Stage.DISPATCHED
         if message is None and invocation_id is None:
             message = ("The broker cannot write its journal, so it sent nothing (it never forwards without a durable "
                        "record). No invocation was recorded" + (
@@ -1444,8 +1457,9 @@ def evidence_from(record: Record | None, identity: Identity, *, timed_out: bool 
 def _provisional_end(entry: InvocationLog) -> tuple[Outcome, Retry]:
     """What the record would say if the exchange ended now without a result."""
     record = entry.record
-    if record.stage in _RECORDING:  # the complete answer is in hand: it is recorded, or repaired, then fetched
-        return record.outcome, Retry.FETCH_RESULT
+    if record.stage in _RECORDING:
+        # The complete answer is in hand but not yet durable: unknown until it is; then it is fetched.
+        return Outcome.UNKNOWN, Retry.FETCH_RESULT
     if record.dispatch_started and not record.ended:
         record = apply(record, Event(EventKind.FAILED, {"phase": Phase.REMOTE_EXECUTION, "code": Code.REMOTE_OUTCOME_UNKNOWN}))
     retry = entry.retry_for(record) or Retry.RECONCILE

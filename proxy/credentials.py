@@ -146,10 +146,11 @@ def redact(data: bytes, needles: list[bytes]) -> tuple[bytes, bool]:
     return data, changed
 
 
-#: Bytes every encoding an echo may go through leaves as they are.
-_PLAIN = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.~")
-_HTML = {'"': (b"&quot;", b"&#34;", b"&#x22;"), "&": (b"&amp;", b"&#38;", b"&#x26;"), "'": (b"&#39;", b"&#x27;", b"&apos;"),
-         "<": (b"&lt;", b"&#60;", b"&#x3c;", b"&#x3C;"), ">": (b"&gt;", b"&#62;", b"&#x3e;", b"&#x3E;")}
+#: Bytes the encodings an echo may go through leave as they are (``~`` is not one: PHP's
+#: urlencode and Java's URLEncoder write it ``%7E``).
+_PLAIN = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.")
+#: HTML's named references; numeric ones (``&#43;``, ``&#x2B;``, ``&#039;``) are matched for every character.
+_HTML = {'"': (b"&quot;",), "&": (b"&amp;",), "'": (b"&apos;",), "<": (b"&lt;",), ">": (b"&gt;",)}
 
 
 # Kept for the secrets in use (a rotation adds one); they are in this process's memory anyway.
@@ -158,8 +159,9 @@ def _spellings(needle: bytes) -> re.Pattern[bytes] | None:
     """A pattern for ``needle`` as an upstream that echoes it may spell it: every character that
     an encoding changes may appear as sent, percent-encoded (either case; a space also as ``+``),
     JSON-escaped (``\\"``, ``\\/``, ``\\uXXXX`` in either case, as Python's, Go's and PHP's encoders
-    write them) or as an HTML character reference, each on its own (an encoder escapes some
-    characters and not others). None when no encoding changes it: a plain search finds every echo."""
+    write them) or as an HTML character reference (named, or numeric in decimal or hex, with any
+    leading zeros), each on its own (an encoder escapes some characters and not others). None when
+    no encoding changes it: a plain search finds every echo."""
     try:
         text = needle.decode("utf-8")
     except UnicodeDecodeError:
@@ -182,7 +184,9 @@ def _spellings(needle: bytes) -> re.Pattern[bytes] | None:
         forms.add("".join(f"\\u{unit}" for unit in escaped).encode())
         forms.add("".join(f"\\u{unit.upper()}" for unit in escaped).encode())
         forms.update(_HTML.get(char, ()))
-        parts.append(b"(?:" + b"|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True)) + b")")
+        literal = [re.escape(f) for f in sorted(forms, key=len, reverse=True)]
+        numeric = [b"&\\#0*%d;" % ord(char), b"&\\#[xX]0*(?i:%x);" % ord(char)]
+        parts.append(b"(?:" + b"|".join([*literal, *numeric]) + b")")
     return re.compile(b"".join(parts))
 
 

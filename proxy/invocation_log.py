@@ -284,9 +284,12 @@ class InvocationLog:
         """Send every write the journal failed again, oldest first, each whole, and wait for each.
 
         A write whose rows are there already counts as done: its commit had landed, unconfirmed
-        (the journal refuses it as a conflicting write, :class:`LeaseLost`). Every later write
-        failed with it, unsent, and goes after it, so the record keeps each event, in order.
-        Raises :class:`JournalUnavailable` when the journal still fails; call it again then.
+        (the journal refuses it as a conflicting write, :class:`LeaseLost`, and the stored events
+        at its sequence numbers are its own). Every later write failed with it, unsent, and goes
+        after it, so the record keeps each event, in order. Each goes in a batch of its own.
+        Raises :class:`JournalUnavailable` when the journal still fails (call it again then), and
+        :class:`LeaseLost` when other events hold those sequence numbers (another broker closed
+        the record meanwhile: these writes can never be made).
         """
         for write in [w for w in self._unconfirmed if not _durable(w)]:
             again = Write(
@@ -296,13 +299,25 @@ class InvocationLog:
                 result=write.result,
                 fence=write.fence,
                 claim=write.claim,
+                alone=True,
             )
             self._last = self.journal.submit(again)
             try:
                 await self._last
             except LeaseLost:
-                pass  # the rows were there already
+                if not await self._stored(write):
+                    raise
             self._unconfirmed.remove(write)
+
+    async def _stored(self, write: Write) -> bool:
+        """Whether the database holds ``write``'s events as they are (its commit had landed)."""
+        from .store import queries  # imported here: queries imports the journal module this one uses
+
+        rows = {r["seq"]: r for r in await queries.event_rows(self.journal.engine, self.invocation_id)}
+        return all(
+            e.seq in rows and rows[e.seq]["kind"] == e.kind and bytes(rows[e.seq]["payload"]) == e.payload
+            for e in write.events
+        )
 
     def submit_quietly(self) -> None:
         """Write-behind for facts nobody waits on; a failure surfaces at the next commit.

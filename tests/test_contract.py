@@ -528,3 +528,22 @@ def test_the_walk_generator_reaches_every_stage():
 
     collect()
     assert seen == set(Stage)
+
+
+def test_a_timed_out_callers_provisional_end_never_claims_what_is_not_durable():
+    """The answer the broker gives a caller whose wait ended: while the complete response's record
+    is still on its way it is unknown (to be fetched), never committed; and it is worked out for
+    every stage the exchange can be in, without an illegal move."""
+    from types import SimpleNamespace
+
+    from proxy.broker import _provisional_end
+
+    def end(events):
+        record = fold(events)
+        return _provisional_end(SimpleNamespace(record=record, retry_for=lambda r: retry_hint(r, POST)))
+
+    assert end(DISPATCH) == (Outcome.UNKNOWN, Retry.RECONCILE)
+    assert end([*DISPATCH, ev(K.REQUEST_SENT), ev(K.REMOTE_RESPONSE_STARTED, status=200)]) == (Outcome.UNKNOWN, Retry.RECONCILE)
+    recorded = [*DISPATCH, ev(K.REMOTE_RESPONSE_COMPLETE, status=201)]
+    assert end(recorded) == (Outcome.UNKNOWN, Retry.FETCH_RESULT)
+    assert end([*recorded, ev(K.RESULT_COMMITTED)]) == (Outcome.UNKNOWN, Retry.FETCH_RESULT)

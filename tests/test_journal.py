@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from proxy.contract import EventKind, Phase, project
 from proxy.invocation_log import Identity, InvocationLog, new_invocation_id
 from proxy.store import queries
-from proxy.store.journal import GENESIS, EventRow, Journal, JournalUnavailable, Write, canonical_time, chain_hash, make_engine
+from proxy.store.journal import GENESIS, EventRow, Journal, JournalUnavailable, LeaseLost, Write, canonical_time, chain_hash, make_engine
 from proxy.store.schema import events, invocations
 from tests.support.hostile import free_port
 
@@ -409,3 +409,96 @@ def test_an_event_hash_is_the_same_as_ever(at, key_id, expected):
     event = EventRow(row["invocation_id"], 3, "DISPATCH_STARTED", at, row["payload"], key_id)
     [chained] = journal._chain_rows([Write(events=[event])], chain)
     assert chained["hash"] == expected and chain == [12345, expected]
+
+
+def _failed_once(journal: Journal, *, land: bool):
+    """``journal.submit`` for one write: its future fails as if the acknowledgement were lost;
+    with ``land`` its rows are committed first (a commit that landed unconfirmed)."""
+    real = journal.submit
+
+    def submit(write: Write) -> asyncio.Future[None]:
+        journal.submit = real  # once
+        landed = real(write) if land else None
+        failed = asyncio.get_running_loop().create_future()
+
+        async def fail() -> None:
+            if landed is not None:
+                await landed  # durable; then the broker is told otherwise
+            write.future = failed
+            failed.set_exception(JournalUnavailable("the acknowledgement was lost"))
+
+        asyncio.get_running_loop().create_task(fail())
+        return failed
+
+    journal.submit = submit
+
+
+@pytest.mark.parametrize("land", [True, False])
+def test_resubmit_sends_every_failed_write_in_order_and_counts_one_that_landed_as_done(db, land):
+    async def scenario() -> list[int]:
+        journal = Journal(make_engine(db), writer="w1")
+        await journal.start()
+        entry = _accepted(journal)
+        entry.append(EventKind.PREFLIGHT_VALIDATED, route="payments.create")
+        entry.append(EventKind.CREDENTIAL_AUTHORIZED, credential_id=None, injection="none")
+        entry.append(EventKind.DISPATCH_STARTED, attempt=1, connection="new")
+        await entry.commit()
+        _failed_once(journal, land=land)
+        entry.append(EventKind.REMOTE_RESPONSE_COMPLETE, status=201, framing="content-length")
+        with pytest.raises(JournalUnavailable):
+            await entry.commit()
+        entry.append(EventKind.RESULT_COMMITTED)
+        with pytest.raises(JournalUnavailable, match="an earlier write"):  # it waits for the one before
+            await entry.commit()
+        await entry.resubmit()
+        _, stored = await queries.events_of(journal.engine, entry.invocation_id, journal.decode_payload)
+        await journal.close()
+        await journal.engine.dispose()
+        return [e.seq for e in stored]
+
+    assert asyncio.run(scenario()) == [1, 2, 3, 4, 5, 6], "every event, once, in order"
+
+
+def test_resubmit_refuses_when_other_events_took_those_sequence_numbers(db):
+    """Another broker closed the record meanwhile (its owner looked dead): the held writes can
+    never be made, and resubmit says so rather than count them as landed."""
+    async def scenario() -> None:
+        journal = Journal(make_engine(db), writer="w1")
+        await journal.start()
+        entry = _accepted(journal)
+        entry.append(EventKind.PREFLIGHT_VALIDATED, route="payments.create")
+        entry.append(EventKind.CREDENTIAL_AUTHORIZED, credential_id=None, injection="none")
+        entry.append(EventKind.DISPATCH_STARTED, attempt=1, connection="new")
+        await entry.commit()
+        _failed_once(journal, land=False)
+        entry.append(EventKind.REMOTE_RESPONSE_COMPLETE, status=201, framing="content-length")
+        with pytest.raises(JournalUnavailable):
+            await entry.commit()
+        _, events_now = await queries.events_of(journal.engine, entry.invocation_id, journal.decode_payload)
+        other = InvocationLog(journal, entry.identity, "another-broker", record=project(events_now), persisted=True)
+        other.append(EventKind.FAILED, phase=Phase.REMOTE_EXECUTION, code="REMOTE_OUTCOME_UNKNOWN")
+        await other.commit()
+        with pytest.raises(LeaseLost):
+            await entry.resubmit()
+        await journal.close()
+        await journal.engine.dispose()
+
+    asyncio.run(scenario())
+
+
+def test_a_write_sent_alone_is_a_batch_of_its_own(db):
+    async def scenario() -> None:
+        journal = Journal(make_engine(db), writer="w1")
+        await journal.start()
+        before = journal.batches
+        entries = [_accepted(journal) for _ in range(3)]
+        futures = [e.submit() for e in entries[:2]]
+        again = entries[2]._next_write(None, None, False, False)
+        again.alone = True
+        futures.append(journal.submit(again))
+        await asyncio.gather(*futures)
+        assert journal.batches - before == 2, "the two ordinary writes together, the one sent alone apart"
+        await journal.close()
+        await journal.engine.dispose()
+
+    asyncio.run(scenario())

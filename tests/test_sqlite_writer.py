@@ -602,6 +602,13 @@ def test_a_journal_file_deleted_while_the_broker_runs_fails_closed_and_says_wher
             with pytest.raises(JournalUnavailable, match="was deleted or replaced while the broker ran"):
                 await journal.commit(_write(new_invocation_id()))
         assert not path.exists()
+        writer = journal._sqlite_writer.pid
+        held = [os.readlink(f"/proc/{writer}/fd/{fd}") for fd in os.listdir(f"/proc/{writer}/fd")]
+        assert f"{path} (deleted)" in held, "the writer keeps the deleted file open, as its message says"
+        journal._sqlite_writer.kill()  # a new writer process knows it too
+        with pytest.raises(JournalUnavailable, match="was deleted or replaced while the broker ran"):
+            await journal.commit(_write(new_invocation_id()))
+        assert journal._sqlite_writer.pid != writer and not path.exists()
         await journal.close()
         await journal.engine.dispose()
 

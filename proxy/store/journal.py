@@ -87,6 +87,9 @@ class Write:
     lazy: bool = False
     #: An empty write that still reaches the database (to record a due chain checkpoint).
     checkpoint_only: bool = False
+    #: In a batch of its own (rows the journal failed, sent again: if they fail again, nothing
+    #: else fails with them).
+    alone: bool = False
     #: An earlier write of the same invocation; if it failed, this one is not attempted, so a
     #: record never has a gap (later events without the earlier ones).
     after: asyncio.Future[None] | None = None
@@ -379,7 +382,7 @@ class Journal:
             if first is None:
                 continue
             batch = [first]
-            while len(batch) < self.max_batch:
+            while len(batch) < self.max_batch and not first.alone:
                 if not self._queue:
                     if not all(w.lazy for w in batch):
                         break
@@ -389,8 +392,13 @@ class Journal:
                     more = await self._next(left) if left > 0 else None
                     if more is None:
                         break
+                    if more.alone:
+                        self._queue.appendleft(more)
+                        break
                     batch.append(more)
                     continue
+                if self._queue[0].alone:
+                    break
                 batch.append(self._queue.popleft())
             self._lazy_taken()
             self._in_flight = batch

@@ -91,6 +91,8 @@ class SqliteWriter:
         self._retry: asyncio.Task[None] | None = None
         self._relays: set[asyncio.Task[None]] = set()
         self._closed = False
+        #: (device, inode) of the journal file when the first writer process started.
+        self._identity: tuple[int, int] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -165,10 +167,13 @@ class SqliteWriter:
 
     async def _spawn(self) -> None:
         failpoint_now("sqlite_writer_start")
+        if self._identity is None:  # the file the journal is: every child checks it is still there
+            self._identity = file_identity(os.path.abspath(self.path))
         proc = self._proc = await asyncio.create_subprocess_exec(
             # -P: never import from the working directory (it may be writable by others).
             sys.executable, "-P", "-m", __name__,
             os.path.abspath(self.path), str(self.timeout / 2), str(os.getpid()),
+            "%d:%d" % self._identity if self._identity else "-",
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -371,10 +376,11 @@ def _refused_checks(statements: SqliteStatements, checks: list[dict[str, Any]]) 
     return refused
 
 
-def serve(path: str, timeout: float, requests: BinaryIO, answers: BinaryIO) -> None:
-    """Answer batch documents from ``requests`` until end of file."""
+def serve(path: str, timeout: float, requests: BinaryIO, answers: BinaryIO, expected: tuple[int, int] | None = None) -> None:
+    """Answer batch documents from ``requests`` until end of file. ``expected``: the (device,
+    inode) the journal file had when the broker first started a writer (None: take the first)."""
     statements: SqliteStatements | None = None
-    opened: tuple[int, int] | None = None  # (device, inode) of the file the first connection opened
+    opened = expected
     while True:
         head = requests.read(_FRAME.size)
         if len(head) < _FRAME.size:
@@ -390,6 +396,8 @@ def serve(path: str, timeout: float, requests: BinaryIO, answers: BinaryIO) -> N
             answer: dict[str, Any] = {"refused": apply_document(statements, orjson.loads(body))}
         except sqlite3.IntegrityError as exc:
             answer = {"error": "integrity", "message": str(exc)}
+        except JournalReplaced as exc:  # the connection stays open: it keeps the deleted file readable
+            answer = {"error": "database", "message": str(exc)}
         except Exception as exc:  # the database refused: the next batch starts on a fresh connection
             answer = {"error": "database", "message": str(exc) or type(exc).__name__}
             if statements is not None:
@@ -402,21 +410,28 @@ def serve(path: str, timeout: float, requests: BinaryIO, answers: BinaryIO) -> N
         statements.close()
 
 
-def _still_the_journal(path: str, opened: tuple[int, int] | None) -> tuple[int, int] | None:
-    """The file at ``path`` is the one this process opened first; raises if it was deleted or
-    replaced since (a connection would go on writing to the old, unlinked file: durable to no one
-    who looks, while every answer said "committed"). ``:memory:`` has no file."""
-    if path == ":memory:" or path.startswith("file:"):
-        return opened
+class JournalReplaced(Exception):
+    """The journal file was deleted or replaced under a running broker."""
+
+
+def file_identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path``, None if there is none."""
     try:
         stat = os.stat(path)
     except FileNotFoundError:
-        stat = None
-    now = (stat.st_dev, stat.st_ino) if stat is not None else None
-    if opened is None and now is not None:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
+def _still_the_journal(path: str, opened: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The file at ``path`` is the one the journal opened first; raises if it was deleted or
+    replaced since (a connection would go on writing to the old, unlinked file: durable to no one
+    who looks, while every answer said "committed")."""
+    now = file_identity(path)
+    if opened is None:
         return now
     if now != opened:
-        raise RuntimeError(
+        raise JournalReplaced(
             f"the journal file {path} was deleted or replaced while the broker ran; nothing was written (writes would "
             f"go to a file no one reads). While this writer process (pid {os.getpid()}) lives, the file it had open is "
             f"still readable in /proc/{os.getpid()}/fd (the entry marked '(deleted)'): copy it back to {path}, with "
@@ -440,6 +455,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     path, timeout, parent = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+    expected = tuple(int(n) for n in sys.argv[4].split(":")) if len(sys.argv) > 4 and sys.argv[4] != "-" else None
     _die_with(parent)
     # Answers go to a private copy of stdout; anything else that prints goes to stderr (the log).
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
@@ -447,7 +463,7 @@ def main() -> None:
     ready = orjson.dumps({"ready": True})
     answers.write(_FRAME.pack(len(ready)) + ready)
     answers.flush()
-    serve(path, timeout, sys.stdin.buffer, answers)
+    serve(path, timeout, sys.stdin.buffer, answers, expected)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":
