@@ -281,22 +281,29 @@ def record_by_key_when_back(broker: BrokerProcess, relay: TcpRelay, key: str) ->
     return record_by_key(broker, key)
 
 
+def _refused_at_the_dispatch_write(make_broker, upstream, url: str, fault: Any) -> tuple[BrokerProcess, httpx.Response, dict]:
+    """A keyed request whose DISPATCH_STARTED write meets ``fault`` (the key is bound durably
+    first; the broker pauses just before that write): the 503 it gets, and its envelope."""
+    broker = _start_on(make_broker, upstream, url, env={"AFFIDAVIT_FAILPOINTS": "during_tls=pause:1.5@1"})
+    key = f"jd-{time.monotonic_ns()}"
+    result: dict[str, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: result.setdefault("r", post(broker, SAFE + "/h/ok", key)))
+    thread.start()
+    time.sleep(0.7)  # PREFLIGHT_VALIDATED is durable (keyed); the broker pauses before DISPATCH_STARTED
+    fault()
+    thread.join(20)
+    body = check_envelope(result["r"].content)
+    assert (result["r"].status_code, body["error"]["code"], body["error"]["outcome"]) == (503, "JOURNAL_UNAVAILABLE", "not_attempted")
+    return broker, result["r"], body
+
+
 def test_a_dispatch_write_that_lands_unacknowledged_is_answered_and_closed_as_what_it_is(relayed_pg, make_broker, upstream):
     """DISPATCH_STARTED reaches the database, its acknowledgement never returns: the broker sent
     nothing, but the record cannot prove that. The envelope says both ends this can have, and the
     record ends unknown (never rewritten as not dispatched), its caller answered, its basis saying
     what the broker knows."""
     url, relay = relayed_pg
-    broker = _start_on(make_broker, upstream, url, env={"AFFIDAVIT_FAILPOINTS": "during_tls=pause:1.5@1"})
-    key = f"ju-{time.monotonic_ns()}"
-    result: dict[str, httpx.Response] = {}
-    thread = threading.Thread(target=lambda: result.setdefault("r", post(broker, SAFE + "/h/ok", key)))
-    thread.start()
-    time.sleep(0.7)  # the key is bound durably; the broker pauses before DISPATCH_STARTED
-    relay.deafen()
-    thread.join(20)
-    body = check_envelope(result["r"].content)
-    assert (result["r"].status_code, body["error"]["code"], body["error"]["outcome"]) == (503, "JOURNAL_UNAVAILABLE", "not_attempted")
+    broker, response, body = _refused_at_the_dispatch_write(make_broker, upstream, url, relay.deafen)
     assert "or as unknown if its DISPATCH_STARTED reached the database unconfirmed" in body["error"]["message"], body
     relay.restore()
     record = broker.wait_for(body["invocation_id"], lambda r: r["retry"] is not None, timeout=20)
@@ -310,18 +317,10 @@ def test_a_dispatch_write_that_lands_unacknowledged_is_answered_and_closed_as_wh
 
 def test_a_keyed_record_refused_at_the_dispatch_write_is_closed_when_the_journal_returns(relayed_pg, make_broker, upstream):
     url, relay = relayed_pg
-    broker = _start_on(make_broker, upstream, url, env={"AFFIDAVIT_FAILPOINTS": "during_tls=pause:1.5@1"})
-    key = f"jr-{time.monotonic_ns()}"
-    result: dict[str, httpx.Response] = {}
-    thread = threading.Thread(target=lambda: result.setdefault("r", post(broker, SAFE + "/h/ok", key)))
-    thread.start()
-    time.sleep(0.7)  # PREFLIGHT_VALIDATED is durable (keyed); the broker pauses before DISPATCH_STARTED
-    relay.cut()
-    thread.join(20)
-    body = check_envelope(result["r"].content)
-    assert (result["r"].status_code, body["error"]["code"], body["error"]["outcome"]) == (503, "JOURNAL_UNAVAILABLE", "not_attempted")
+    broker, response, body = _refused_at_the_dispatch_write(make_broker, upstream, url, relay.cut)
+    key = response.request.headers["Idempotency-Key"]
     assert body["invocation_id"] == record_by_key_when_back(broker, relay, key), "the bound key's record is named"
-    assert result["r"].headers["affidavit-invocation-id"] == body["invocation_id"]
+    assert response.headers["affidavit-invocation-id"] == body["invocation_id"]
     record = broker.wait_for(body["invocation_id"], lambda r: r["retry"] is not None, timeout=20)
     assert (record["outcome"], record["code"], record["retry"]) == ("not_attempted", "JOURNAL_UNAVAILABLE", "backoff"), record
     assert record["caller_disposition"] != "waiting", record

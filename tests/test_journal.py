@@ -433,20 +433,26 @@ def _failed_once(journal: Journal, *, land: bool):
     journal.submit = submit
 
 
+async def _dispatched_then_refused(journal: Journal, *, land: bool) -> InvocationLog:
+    """An invocation whose DISPATCH_STARTED is durable and whose next write the journal refused."""
+    entry = _accepted(journal)
+    entry.append(EventKind.PREFLIGHT_VALIDATED, route="payments.create")
+    entry.append(EventKind.CREDENTIAL_AUTHORIZED, credential_id=None, injection="none")
+    entry.append(EventKind.DISPATCH_STARTED, attempt=1, connection="new")
+    await entry.commit()
+    _failed_once(journal, land=land)
+    entry.append(EventKind.REMOTE_RESPONSE_COMPLETE, status=201, framing="content-length")
+    with pytest.raises(JournalUnavailable):
+        await entry.commit()
+    return entry
+
+
 @pytest.mark.parametrize("land", [True, False])
 def test_resubmit_sends_every_failed_write_in_order_and_counts_one_that_landed_as_done(db, land):
     async def scenario() -> list[int]:
         journal = Journal(make_engine(db), writer="w1")
         await journal.start()
-        entry = _accepted(journal)
-        entry.append(EventKind.PREFLIGHT_VALIDATED, route="payments.create")
-        entry.append(EventKind.CREDENTIAL_AUTHORIZED, credential_id=None, injection="none")
-        entry.append(EventKind.DISPATCH_STARTED, attempt=1, connection="new")
-        await entry.commit()
-        _failed_once(journal, land=land)
-        entry.append(EventKind.REMOTE_RESPONSE_COMPLETE, status=201, framing="content-length")
-        with pytest.raises(JournalUnavailable):
-            await entry.commit()
+        entry = await _dispatched_then_refused(journal, land=land)
         entry.append(EventKind.RESULT_COMMITTED)
         with pytest.raises(JournalUnavailable, match="an earlier write"):  # it waits for the one before
             await entry.commit()
@@ -465,15 +471,7 @@ def test_resubmit_refuses_when_other_events_took_those_sequence_numbers(db):
     async def scenario() -> None:
         journal = Journal(make_engine(db), writer="w1")
         await journal.start()
-        entry = _accepted(journal)
-        entry.append(EventKind.PREFLIGHT_VALIDATED, route="payments.create")
-        entry.append(EventKind.CREDENTIAL_AUTHORIZED, credential_id=None, injection="none")
-        entry.append(EventKind.DISPATCH_STARTED, attempt=1, connection="new")
-        await entry.commit()
-        _failed_once(journal, land=False)
-        entry.append(EventKind.REMOTE_RESPONSE_COMPLETE, status=201, framing="content-length")
-        with pytest.raises(JournalUnavailable):
-            await entry.commit()
+        entry = await _dispatched_then_refused(journal, land=False)
         _, events_now = await queries.events_of(journal.engine, entry.invocation_id, journal.decode_payload)
         other = InvocationLog(journal, entry.identity, "another-broker", record=project(events_now), persisted=True)
         other.append(EventKind.FAILED, phase=Phase.REMOTE_EXECUTION, code="REMOTE_OUTCOME_UNKNOWN")
