@@ -1256,7 +1256,7 @@ class Broker:
                        "record). No invocation was recorded" + (
                            f", unless its write reached the database unconfirmed: then invocation {entry.invocation_id} "
                            "is closed as unknown once the database answers (nothing was sent, but its record cannot "
-                           "prove it; an operator reconciles it)" if unconfirmed and entry is not None else "") +
+                           "prove it; an operator reconciles it)" if unconfirmed else "") +
                        ". Retry after a delay; operators: check the database.")
         elif message is None:
             message = (f"The broker cannot write its journal, so it sent nothing (it never forwards without a durable "
