@@ -1175,8 +1175,10 @@ class Broker:
         try:
             await entry.commit()
         except Exception as exc:
-            log.warning("could not record the delivery of %s: %s", entry.invocation_id, exc)
-        log.warning("recorded the result of %s after the journal recovered", entry.invocation_id)
+            log.warning("recorded the result of %s after the journal recovered, but not what became of its delivery: %s",
+                        entry.invocation_id, exc)
+        else:
+            log.warning("recorded the result of %s after the journal recovered", entry.invocation_id)
 
     def _result_reply(self, exchange: _Exchange, response: UpstreamResponse, code: Code | None = None) -> Reply:
         """The upstream's response, unchanged but for hop-by-hop headers, framing and any echo

@@ -307,6 +307,7 @@ class InvocationLog:
             except LeaseLost:
                 if not await self._stored(write):
                     raise
+                self._last = _done()  # it had landed: the next write goes after it, not after its refusal
             self._unconfirmed.remove(write)
 
     async def _stored(self, write: Write) -> bool:
@@ -338,6 +339,12 @@ class InvocationLog:
 def _durable(write: Write) -> bool:
     future = write.future
     return future is not None and future.done() and not future.cancelled() and future.exception() is None
+
+
+def _done() -> asyncio.Future[None]:
+    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    future.set_result(None)
+    return future
 
 
 def _consume(future: asyncio.Future[None]) -> None:

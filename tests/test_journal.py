@@ -465,6 +465,25 @@ def test_resubmit_sends_every_failed_write_in_order_and_counts_one_that_landed_a
     assert asyncio.run(scenario()) == [1, 2, 3, 4, 5, 6], "every event, once, in order"
 
 
+@pytest.mark.parametrize("land", [True, False])
+def test_a_write_after_a_resubmit_goes_after_the_resubmitted_one(db, land):
+    """When the last write the journal failed had in fact landed, the next write (the delivery
+    record, say) goes after it; it is not refused as coming after a failed write."""
+    async def scenario() -> list[int]:
+        journal = Journal(make_engine(db), writer="w1")
+        await journal.start()
+        entry = await _dispatched_then_refused(journal, land=land)
+        await entry.resubmit()
+        entry.append(EventKind.RESULT_COMMITTED)
+        await entry.commit()
+        _, stored = await queries.events_of(journal.engine, entry.invocation_id, journal.decode_payload)
+        await journal.close()
+        await journal.engine.dispose()
+        return [e.seq for e in stored]
+
+    assert asyncio.run(scenario()) == [1, 2, 3, 4, 5, 6], "every event, once, in order"
+
+
 def test_resubmit_refuses_when_other_events_took_those_sequence_numbers(db):
     """Another broker closed the record meanwhile (its owner looked dead): the held writes can
     never be made, and resubmit says so rather than count them as landed."""
