@@ -357,6 +357,8 @@ def test_a_stale_lease_holder_is_fenced_before_it_dispatches(make_broker, upstre
     lost = outcome["stale"]
     assert lost.status_code == 409
     assert check_envelope(lost.content)["error"]["code"] == "LEASE_LOST"
+    # what the record said when this attempt began (an earlier attempt was dispatched)
+    assert lost.headers["Affidavit-Outcome"] == check_envelope(lost.content)["error"]["outcome"] == "unknown"
     assert len(sent(upstream)) == 2, "the stale broker sent nothing"
     record = fresh.invocation(invocation_id)
     assert record["outcome"] == "committed"
