@@ -440,8 +440,9 @@ def apply(record: Record, event: Event) -> Record:
         if kind is EventKind.PREFLIGHT_VALIDATED:
             changes["attempt_count"] = record.attempt_count + 1
             changes["approval"] = None  # an approval covers one attempt, never the next
-            if record.stage in ENDED:
-                changes["code"] = None  # a new attempt begins; the old code stays in its event
+            if record.stage in ENDED:  # a new attempt begins, with a caller of its own
+                changes["code"] = None  # the old code and the old caller's end stay in their events
+                changes["caller_disposition"] = CallerDisposition.WAITING
         elif kind is EventKind.APPROVAL_GRANTED:
             changes["approval"] = dict(event.data)
         elif kind is EventKind.CONNECTION_ATTEMPT:

@@ -171,6 +171,16 @@ def test_a_second_attempt_failing_before_its_dispatch_leaves_the_record_unknown(
     assert record.attempts[0].stage == "dispatched" and record.attempts[1].code is Code.CONNECT_REFUSED
 
 
+def test_a_new_attempt_has_a_caller_of_its_own_whose_wait_is_recorded():
+    first = [*DISPATCH, failed(Phase.REMOTE_EXECUTION, Code.REMOTE_OUTCOME_UNKNOWN, answered=True)]
+    assert fold(first).caller_disposition is CallerDisposition.COMPLETED
+    again = [*first, ev(K.PREFLIGHT_VALIDATED, attempt=2)]
+    assert fold(again).caller_disposition is CallerDisposition.WAITING, "the re-send's caller is waiting"
+    gave_up = [*again, ev(K.CREDENTIAL_AUTHORIZED, attempt=2), ev(K.DISPATCH_STARTED, attempt=2, connection="new"),
+               ev(K.CALLER_CANCELLED, disposition="timed_out")]
+    assert fold(gave_up).caller_disposition is CallerDisposition.TIMED_OUT
+
+
 def test_a_new_attempt_after_a_failure_before_dispatch_can_still_end_not_attempted():
     events = [
         *PREFIX,
@@ -472,7 +482,10 @@ operations = st.builds(Operation, idempotent=st.booleans(), remote_contract=st.b
 def test_properties_of_every_legal_history(records, operation, retention_open):
     dispatched = False
     first_disposition = None
+    attempt = 0
     for record in records:
+        if record.attempt_count != attempt:  # a new attempt has a caller of its own
+            attempt, first_disposition = record.attempt_count, None
         dispatched = dispatched or record.dispatch_started
         # Never back to not_attempted once DISPATCH_STARTED is in the log.
         if dispatched:
@@ -481,7 +494,7 @@ def test_properties_of_every_legal_history(records, operation, retention_open):
         # Known outcomes come only from a complete result or a reconciliation.
         if record.outcome in (Outcome.COMMITTED, Outcome.REJECTED, Outcome.PARTIAL_EFFECT):
             assert record.response_complete or record.reconciled_outcome is not None
-        # The caller's disposition is written once and never rewritten.
+        # The caller's disposition is written once per attempt and never rewritten.
         if record.caller_disposition is not CallerDisposition.WAITING:
             first_disposition = first_disposition or record.caller_disposition
             assert record.caller_disposition is first_disposition
