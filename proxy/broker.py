@@ -1349,41 +1349,57 @@ async def _settled_or_released(
             timer.cancel()
 
 
-#: What may not appear anywhere in a header line or the request target: each would split the
-#: request written upstream (or be read differently by the upstream than by the broker).
+#: What may not appear anywhere in a header line: each would split the request written upstream
+#: (or be read differently by the upstream than by the broker).
 _SPLITTER = re.compile("[\r\n\0]")
+
+#: What may not appear in the request target (RFC 9112 3.2, RFC 3986 appendix A): anything but
+#: visible ASCII, which an HTTP/2 agent can send in ``:path`` and which, written into the
+#: HTTP/1.1 request line upstream, would end the target early (a space), be read differently by
+#: each parser (a control byte, bytes that are not ASCII), or cut the path short (``#``, which
+#: begins a fragment, never sent). The visible characters RFC 3986 leaves out (``|``, ``{``,
+#: ``"``, ...) are let through: common clients send them as they are and servers accept them.
+_NOT_IN_A_TARGET = re.compile("[^!-~]|#")
+
+#: A path segment's name: what comes before parameters (``..;x``, which servlet containers read as
+#: ``..``) or a NUL (where C servers stop reading).
+_SEGMENT_NAME = re.compile("[^;\0]*")
 
 
 def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
     """Why the request cannot be checked against the routes or sent as it is, or None.
 
-    * A line break or NUL in a header or the path would split the request written upstream.
-    * A ``.`` or ``..`` path segment (also percent-encoded, also behind an encoded slash) is
-      resolved by most upstreams (RFC 3986 section 5.2.4) to a path the route's ``path`` glob
-      never saw: ``/allowed/../admin`` would carry the route's credential to ``/admin``.
+    * A line break or NUL in a header, or in the request target anything but visible ASCII
+      (``#`` included), would split or change the request written upstream.
+    * A ``.`` or ``..`` path segment (also percent-encoded, once or more, also behind an encoded
+      slash or backslash, also with parameters ``..;x`` or an encoded NUL after it) is resolved by
+      many upstreams (RFC 3986 section 5.2.4) to a path the route's ``path`` glob never saw:
+      ``/allowed/../admin`` would carry the route's credential to ``/admin``.
     * An idempotency key must be one visible-ASCII value (a structured-field string): a second,
       different key, or bytes that are not text, would bind the operation to something the agent
       did not mean.
     """
-    if _SPLITTER.search("".join([req.path, *(name + value for name, value in req.headers)])):
+    if _SPLITTER.search("".join([name + value for name, value in req.headers])):
         for name, value in req.headers:
             if _SPLITTER.search(name + value):
                 return (f"The request header {shown(name)!r} holds a line break or a NUL byte, which would split "
                         "the request sent upstream. Nothing was sent and no secret was touched. Send each header on "
                         "one line.")
-        return ("The request target holds a line break or a NUL byte. Nothing was sent and no secret was touched. "
-                "Percent-encode it.")
+    if found := _NOT_IN_A_TARGET.search(req.path):
+        return (f"The request target {shown(req.path)!r} holds {ascii(found.group())}, which may not appear "
+                "unencoded in a request target (only visible ASCII may, and '#' begins a fragment, never sent). "
+                "Nothing was sent and no secret was touched. Percent-encode it.")
     path = req.path.split("?", 1)[0]
     low = path.lower()
-    # Only a path with a dot at a segment's start, or an encoded dot, slash or backslash before
-    # one, can hold a dot-segment: the common path is not taken apart.
-    if path.startswith(".") or "/." in path or "\\." in path or "%2e" in low or "%2f." in low or "%5c." in low:
+    # Only a path with a dot at a segment's start, or an encoded dot, slash, backslash or percent
+    # sign, can hold a dot-segment: the common path is not taken apart.
+    if path.startswith(".") or "/." in path or "\\." in path or "%2e" in low or "%2f." in low or "%5c." in low \
+            or "%25" in low:
         for segment in path.split("/"):
-            decoded = unquote(segment, errors="surrogateescape")
-            if any(part in (".", "..") for part in decoded.replace("\\", "/").split("/")):
-                return (f"The request path {shown(path)!r} has a '.' or '..' segment (perhaps percent-encoded), which "
-                        "the upstream may resolve to a path no route allows. Nothing was sent and no secret was "
-                        "touched. Send the path with those segments resolved.")
+            if _dot_segment(segment):
+                return (f"The request path {shown(path)!r} has a '.' or '..' segment (perhaps percent-encoded, or "
+                        "with ';' parameters), which the upstream may resolve to a path no route allows. Nothing "
+                        "was sent and no secret was touched. Send the path with those segments resolved.")
     keys = req.values_of(idempotency_header) or []
     if len(set(k.strip() for k in keys)) > 1:
         return (f"The request has {len(keys)} different {idempotency_header} headers. Nothing was sent. Send one key: "
@@ -1392,6 +1408,18 @@ def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
         return (f"The {idempotency_header} header holds characters other than visible ASCII (or bytes that are not "
                 "text). Nothing was sent. Use a key of letters, digits and punctuation, such as a UUID.")
     return None
+
+
+def _dot_segment(segment: str) -> bool:
+    """Whether a path segment is, or hides, ``.`` or ``..`` to an upstream that decodes it (once,
+    or again: ``%252e``), splits it at an encoded slash or a backslash, or reads a segment's name
+    only up to ``;`` or a NUL."""
+    decoded = segment
+    for _ in range(3):
+        if "%" not in decoded:
+            break
+        decoded = unquote(decoded, errors="surrogateescape")
+    return any(_SEGMENT_NAME.match(part).group() in (".", "..") for part in decoded.replace("\\", "/").split("/"))
 
 
 def shown(text: str, limit: int = 200) -> str:

@@ -852,6 +852,28 @@ def test_an_http2_request_with_fields_http2_forbids_is_refused_alone(broker: Bro
     assert sorted(r.path for r in upstream.received) == ["/h/ok", "/h/slow?delay=0.5"], "the malformed one was not sent"
 
 
+@pytest.mark.parametrize("path", ["/h/ok HTTP/1.1", "/h/o\tk", "/h/..\x0b/admin", "/h/ok\x7f", "/h/\u00e9t\u00e9",
+                                  "/h/ok#/../admin"])
+def test_an_http2_path_that_is_no_request_target_is_refused_before_it_is_sent(
+        broker: BrokerProcess, upstream: HostileUpstream, path: str):
+    """HTTP/2 carries ``:path`` as it is, any byte but a line break: written into the HTTP/1.1
+    request line upstream, a space would end the target early, a control byte or one that is not
+    ASCII would be read differently by each parser, and ``#`` cut the path short."""
+    from tests.support.h2agent import H2Agent
+
+    upstream.reset()
+    with H2Agent(broker, "api.payments.test", strict=False) as agent:
+        status, headers, body = agent.response(agent.request("GET", path))
+        assert status == 400 and headers["content-type"] == "application/problem+json", (status, body[:300])
+        envelope = check_envelope(body)
+        SEEN.append(json.dumps(envelope))
+        error = envelope["error"]
+        assert (error["code"], error["outcome"], error["retry"]) == ("MALFORMED_REQUEST", "not_attempted", "after_correction")
+        assert "Percent-encode it" in error["message"] and "Nothing was sent" in error["message"], error
+        assert agent.response(agent.request("GET", "/h/ok?a|b"))[0] == 200, "visible ASCII RFC 3986 leaves out goes on"
+    assert [r.path for r in upstream.received] == ["/h/ok?a|b"], "the malformed one was not sent"
+
+
 @pytest.mark.parametrize("version", ["--http2", "--http1.1"])
 @pytest.mark.parametrize("sent", ["&header=Content-Length:5", ""])
 def test_a_204_is_delivered_without_a_content_length(broker: BrokerProcess, upstream: HostileUpstream, version, sent):
@@ -990,6 +1012,11 @@ def test_requests_the_proxy_core_refuses_get_envelopes(broker: BrokerProcess, up
         b"GET /h/..%2fadmin HTTP/1.1",
         b"GET /h/.%5C..%5cadmin HTTP/1.1",
         b"GET /h/./ok HTTP/1.1",
+        b"GET /h/..;/admin HTTP/1.1",  # servlet containers read a segment's name up to ';'
+        b"GET /h/.%3Bx/ok HTTP/1.1",
+        b"GET /h/%252e%252E/admin HTTP/1.1",  # an upstream that decodes twice
+        b"GET /h/..%00/admin HTTP/1.1",  # one that stops reading at a NUL
+        b"GET /h/ok#x HTTP/1.1",  # a fragment is never sent: an upstream may read the path up to it
         b"GET /h/ok HTTP/1.1\r\nX-Note: a\rb",
         b"GET /h/ok HTTP/1.1\r\nX-Note: a\x00b",
         b"POST /h/ok HTTP/1.1\r\nIdempotency-Key: z\xff\xfe",
