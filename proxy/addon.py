@@ -169,6 +169,11 @@ def trailers_refused() -> http.Response:
 MAX_REQUEST_HEAD = 64 * 1024
 
 
+#: The longest chunk-size line (the size in hex and any chunk extensions, RFC 9112 7.1.1) an
+#: agent's chunked request body may have.
+MAX_CHUNK_LINE = 4096
+
+
 def install_core_refusals(body_limit: int) -> None:
     """Make the refusals mitmproxy sends itself, before any hook runs, envelopes like every
     other: HTTP it cannot parse (400) and a body over its ``body_size_limit`` (413).
@@ -183,9 +188,10 @@ def install_core_refusals(body_limit: int) -> None:
     envelope. Pinned by tests/test_broker_e2e.py::test_requests_the_proxy_core_refuses_get_envelopes.
 
     An HTTP/1 request body mitmproxy cannot read gets no answer of its own: a broken chunk only
-    closes the connection, and trailers after a chunked body raise ``NotImplementedError`` ("HTTP
-    trailers are not implemented yet"), which crashes the connection's handler and leaves the agent
-    waiting with the connection open. ``Http1Server.read_body`` is wrapped here so that both end in
+    closes the connection (and some broken chunks h11 lets pass or waits on: see the reader
+    below), and trailers after a chunked body raise ``NotImplementedError`` ("HTTP trailers are
+    not implemented yet"), which crashes the connection's handler and leaves the agent waiting
+    with the connection open. ``Http1Server.read_body`` is wrapped here so that both end in
     an envelope (400) and a close, the way mitmproxy ends a request head it cannot parse. Pinned by
     tests/test_broker_e2e.py::test_request_trailers_are_refused_over_either_http_version.
 
@@ -195,6 +201,7 @@ def install_core_refusals(body_limit: int) -> None:
     looked at. Pinned by tests/test_broker_e2e.py::test_an_endless_request_head_is_refused_on_the_proxy_port.
     """
     from h11 import EndOfMessage, ProtocolError
+    from h11._readers import ChunkedReader
     from mitmproxy.net.http.http1 import assemble_response
     from mitmproxy.proxy import commands, events
     from mitmproxy.proxy.layers.http import (
@@ -261,19 +268,41 @@ def install_core_refusals(body_limit: int) -> None:
 
     class AgentBodyReader:
         """h11's body reader, except that a framing error or a trailer section ends the body
-        with :class:`Unreadable`, which mitmproxy's own ``read_body`` does not catch."""
+        with :class:`Unreadable`, which mitmproxy's own ``read_body`` does not catch.
+
+        h11 (0.14, the line mitmproxy 11 allows) is lenient with chunked framing in two ways
+        that matter here: it drops the two bytes after a chunk's data unread (``helloXX`` passes
+        for ``hello\\r\\n``: a body the upstream may frame differently), and it waits for a
+        chunk-size line to end in CRLF however long the line grows (a bare LF, ``5\\nhello``,
+        leaves the agent waiting for an answer that never comes). Both are framing errors here."""
 
         def __init__(self, reader: Any):
             self.reader = reader
+            self.chunked = isinstance(reader, ChunkedReader)
 
         def __call__(self, buf: Any) -> Any:
+            if self.chunked and not self.framed(buf):
+                raise Unreadable(refusal(400))
             try:
                 event = self.reader(buf)
             except ProtocolError:
                 raise Unreadable(refusal(400)) from None
+            if event is None and self.chunked and not self.framed(buf):
+                raise Unreadable(refusal(400))
             if isinstance(event, EndOfMessage) and event.headers:
                 raise Unreadable(trailers_refused())
             return event
+
+        def framed(self, buf: Any) -> bool:
+            """Whether what is buffered can still begin the rest of a well-framed chunked body."""
+            reader, data = self.reader, buf._data  # h11's ReceiveBuffer: its bytes, unconsumed
+            discard = reader._bytes_to_discard  # 0.14: how many bytes of a chunk's CRLF are due
+            if isinstance(discard, int) and discard:
+                return data[:discard] == b"\r\n"[2 - discard:][:len(data)]
+            if discard or reader._bytes_in_chunk or reader._reading_trailer:
+                return True  # chunk data (or, in a newer h11, a CRLF it checks itself) or trailers
+            line_end = data.find(b"\n", 0, MAX_CHUNK_LINE)
+            return len(data) < MAX_CHUNK_LINE if line_end < 0 else line_end > 0 and data[line_end - 1] == 0x0D
 
         def read_eof(self) -> Any:  # the agent hung up mid-body: mitmproxy's handling is right
             return self.reader.read_eof()

@@ -974,6 +974,11 @@ def _h2_request(
         ("tunnel", b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nContent-Length: twelve\r\n\r\n", 400, "MALFORMED_REQUEST"),
         # A chunked body whose framing breaks: mitmproxy only closes the connection, the broker answers first.
         ("tunnel", b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n", 400, "MALFORMED_REQUEST"),
+        # Chunk lines ended by a bare LF (h11 would wait for a CRLF that never comes), data not
+        # followed by CRLF (h11 would drop the two bytes unread), a chunk-size line without end.
+        ("tunnel", b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nTransfer-Encoding: chunked\r\n\r\n5\nhello\n0\n\n", 400, "MALFORMED_REQUEST"),
+        ("tunnel", b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhelloXX0\r\n\r\n", 400, "MALFORMED_REQUEST"),
+        ("tunnel", b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nTransfer-Encoding: chunked\r\n\r\n" + b"0" * 5000, 400, "MALFORMED_REQUEST"),
         # Past the largest max_body (10 MiB by default) plus 1 MiB: refused on its Content-Length,
         # before a byte of the body is read.
         ("tunnel", b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nContent-Length: 12582912\r\n\r\n", 413, "PAYLOAD_LIMIT"),
@@ -1002,6 +1007,23 @@ def test_requests_the_proxy_core_refuses_get_envelopes(broker: BrokerProcess, up
     assert (envelope["error"]["code"], envelope["error"]["outcome"], envelope["error"]["retry"]) == (code, "not_attempted", "after_correction")
     assert b"mitmproxy" not in body.lower() and b"twelve" not in body and b"NOT HTTP" not in body
     assert upstream.received == []
+
+
+def test_a_well_framed_chunked_body_is_read_however_it_arrives(broker: BrokerProcess, upstream: HostileUpstream):
+    """The stricter reading of chunked framing takes nothing well-framed: chunk extensions, several
+    chunks, and every CRLF split across reads, one byte at a time."""
+    request = (b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+               b"5;name=value\r\nhello\r\n1\r\n \r\nA  \r\n0123456789\r\n0\r\n\r\n")
+    upstream.reset()
+    with broker.tunnel("api.payments.test") as tls:
+        for i in range(len(request)):
+            tls.sendall(request[i:i + 1])
+        answer = b""
+        while chunk := tls.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:400]
+    [forwarded] = upstream.received
+    assert forwarded.body == b"hello 0123456789"
 
 
 @pytest.mark.parametrize(
