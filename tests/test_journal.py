@@ -6,6 +6,7 @@ import asyncio
 import json
 import sqlite3
 import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta, timezone
 
 import asyncpg
@@ -447,41 +448,45 @@ async def _dispatched_then_refused(journal: Journal, *, land: bool) -> Invocatio
     return entry
 
 
-@pytest.mark.parametrize("land", [True, False])
-def test_resubmit_sends_every_failed_write_in_order_and_counts_one_that_landed_as_done(db, land):
+def _stored_after_a_refusal(db: str, land: bool, then: Callable[[InvocationLog], Awaitable[None]]) -> list[int]:
+    """The sequence numbers stored for an invocation whose write after DISPATCH_STARTED the journal
+    refused (having made it, with ``land``), once ``then`` has done its part with the entry."""
     async def scenario() -> list[int]:
         journal = Journal(make_engine(db), writer="w1")
         await journal.start()
-        entry = await _dispatched_then_refused(journal, land=land)
+        try:
+            entry = await _dispatched_then_refused(journal, land=land)
+            await then(entry)
+            _, stored = await queries.events_of(journal.engine, entry.invocation_id, journal.decode_payload)
+        finally:
+            await journal.close()
+            await journal.engine.dispose()
+        return [e.seq for e in stored]
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("land", [True, False])
+def test_resubmit_sends_every_failed_write_in_order_and_counts_one_that_landed_as_done(db, land):
+    async def then(entry: InvocationLog) -> None:
         entry.append(EventKind.RESULT_COMMITTED)
         with pytest.raises(JournalUnavailable, match="an earlier write"):  # it waits for the one before
             await entry.commit()
         await entry.resubmit()
-        _, stored = await queries.events_of(journal.engine, entry.invocation_id, journal.decode_payload)
-        await journal.close()
-        await journal.engine.dispose()
-        return [e.seq for e in stored]
 
-    assert asyncio.run(scenario()) == [1, 2, 3, 4, 5, 6], "every event, once, in order"
+    assert _stored_after_a_refusal(db, land, then) == [1, 2, 3, 4, 5, 6], "every event, once, in order"
 
 
 @pytest.mark.parametrize("land", [True, False])
 def test_a_write_after_a_resubmit_goes_after_the_resubmitted_one(db, land):
     """When the last write the journal failed had in fact landed, the next write (the delivery
     record, say) goes after it; it is not refused as coming after a failed write."""
-    async def scenario() -> list[int]:
-        journal = Journal(make_engine(db), writer="w1")
-        await journal.start()
-        entry = await _dispatched_then_refused(journal, land=land)
+    async def then(entry: InvocationLog) -> None:
         await entry.resubmit()
         entry.append(EventKind.RESULT_COMMITTED)
         await entry.commit()
-        _, stored = await queries.events_of(journal.engine, entry.invocation_id, journal.decode_payload)
-        await journal.close()
-        await journal.engine.dispose()
-        return [e.seq for e in stored]
 
-    assert asyncio.run(scenario()) == [1, 2, 3, 4, 5, 6], "every event, once, in order"
+    assert _stored_after_a_refusal(db, land, then) == [1, 2, 3, 4, 5, 6], "every event, once, in order"
 
 
 def test_resubmit_refuses_when_other_events_took_those_sequence_numbers(db):
