@@ -2,11 +2,13 @@
 
 The environment overrides the file (``AFFIDAVIT_PROXY__LISTEN=127.0.0.1:9090``; lists such as
 ``AFFIDAVIT_ROUTES`` take JSON). A bad configuration raises :class:`ConfigError`, which names the
-file, the key and the reason; nothing starts half-configured.
+source (the file, or the variable that set the value), the key and the reason; nothing starts
+half-configured.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import tomllib
@@ -27,6 +29,7 @@ from pydantic import (
 )
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     SettingsError,
@@ -405,7 +408,7 @@ def _unique(section: str, names: list[str]) -> set[str]:
 
 
 class ConfigError(Exception):
-    """The configuration cannot be used. The message names the file, the key and the reason."""
+    """The configuration cannot be used. The message names the source, the key and the reason."""
 
 
 def load_settings(path: Path | None = None, **overrides: Any) -> Settings:
@@ -417,7 +420,6 @@ def load_settings(path: Path | None = None, **overrides: Any) -> Settings:
         toml_path = path
     elif DEFAULT_CONFIG.is_file():
         toml_path = DEFAULT_CONFIG
-    where = str(toml_path) if toml_path else "environment"
     if toml_path is not None:
         try:
             tomllib.loads(toml_path.read_text(encoding="utf-8"))
@@ -439,7 +441,7 @@ def load_settings(path: Path | None = None, **overrides: Any) -> Settings:
     try:
         return Settings(**overrides)
     except ValidationError as exc:
-        raise ConfigError(_describe(where, exc)) from None
+        raise ConfigError(_describe(exc, toml_path, EnvSettingsSource(Settings))) from None
     except SettingsError as exc:  # an environment value pydantic-settings could not even parse
         field = exc.args[0].split('"')[1] if exc.args and exc.args[0].count('"') >= 2 else "?"
         names = sorted(k for k in os.environ if k.upper().startswith(f"AFFIDAVIT_{field.upper()}"))
@@ -453,15 +455,55 @@ def load_settings(path: Path | None = None, **overrides: Any) -> Settings:
         Settings._toml_path = None
 
 
-def _describe(where: str, exc: ValidationError) -> str:
+def _describe(exc: ValidationError, toml_path: Path | None, env: EnvSettingsSource) -> str:
+    """Every problem with its key and the source its value came from: the environment overrides
+    the file, so a stale variable must not be blamed on a file that is right."""
+    errors = [(error, _origin(error["loc"], toml_path, env)) for error in exc.errors()]
+    sources = {source for _, source in errors}
+    file = str(toml_path) if toml_path is not None else None
+    if sources == {file}:
+        where = file
+    elif file in sources or None in sources:
+        where = f"{file} and environment"
+    else:
+        where = "environment"
     lines = [f"{where}: invalid configuration ({exc.error_count()} problem(s)); nothing was done:"]
-    for error in exc.errors():
+    for error, source in errors:
         key = _key(error["loc"])
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = "unknown key (a typo? every key is in docs/configuration.md)"
-        lines.append(f"  {key or '(top level)'}: {message}")
+        if source == where:
+            label = key or "(top level)"
+        else:
+            named = f"{file} and AFFIDAVIT_* variables together" if source is None else source
+            label = f"{key} (from {named})" if key else f"(top level, from {named})"
+        lines.append(f"  {label}: {message}")
     return "\n".join(lines)
+
+
+def _origin(loc: tuple[Any, ...], toml_path: Path | None, env: EnvSettingsSource) -> str | None:
+    """Where the value at ``loc`` came from, as pydantic-settings read the environment: the
+    variable that set it or the section or list around it (``AFFIDAVIT_PROXY__WORKERS`` for
+    proxy.workers, ``AFFIDAVIT_ROUTES`` for routes[0].host), else the file. None when both had a
+    part in it (a check across sections, say, of routes from the environment and agents from the file)."""
+    loc = tuple(part for part in loc if not (isinstance(part, str) and part.startswith(("function-", "constrained-"))))
+    keys = list(itertools.takewhile(lambda part: isinstance(part, str), loc))
+    spelled = {name if env.case_sensitive else name.lower(): name for name in os.environ}
+    for depth in range(len(keys), 0, -1):
+        name = env.env_prefix + env.env_nested_delimiter.join(keys[:depth])
+        name = name if env.case_sensitive else name.lower()
+        if name in env.env_vars:
+            return spelled.get(name, name)
+    if toml_path is None:
+        return "environment"
+    beneath: Any = env()  # what the environment set at loc, merged with the file's
+    for part in loc:
+        try:
+            beneath = beneath[part]
+        except (KeyError, IndexError, TypeError):
+            return str(toml_path)
+    return None if beneath else str(toml_path)
 
 
 def _key(loc: tuple[Any, ...]) -> str:

@@ -103,6 +103,38 @@ def test_a_bad_value_names_file_key_and_reason(tmp_path, mutation, key, reason):
     assert reason in message
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "key", "reason"),
+    [
+        ("AFFIDAVIT_PROXY__LSITEN", "1", "proxy.lsiten", "unknown key (a typo?"),
+        ("AFFIDAVIT_DATABASE__URL", "postgres://x", "database.url", "use 'sqlite+aiosqlite:///path.db'"),
+        ("AFFIDAVIT_PROXY__WORKERS", "abc", "proxy.workers", "valid integer"),
+        ("AFFIDAVIT_PROXY__LISTEN", "", "proxy.listen", "is not host:port"),
+        ("AFFIDAVIT_ROUTES", '[{"name": "r", "host": "a b", "agents": ["builder"]}]', "routes[0].host", "exact host name"),
+    ],
+)
+def test_a_bad_environment_variable_is_named_and_not_blamed_on_a_good_file(tmp_path, variable, value, key, reason):
+    write(tmp_path, good(tmp_path))  # ./affidavit.toml, valid: the variable overrides it
+    env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")}, variable: value}
+    done = subprocess.run([AFFIDAVIT, "env"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 2, done.stderr
+    assert "environment: invalid configuration (1 problem(s))" in done.stderr, done.stderr
+    named = [line for line in done.stderr.splitlines() if line.startswith(f"  {key} (from {variable}): ")]
+    assert len(named) == 1 and reason in named[0], done.stderr
+    assert "affidavit.toml" not in done.stderr, done.stderr
+
+
+def test_problems_in_the_file_and_the_environment_each_name_their_own_source(tmp_path, monkeypatch):
+    path = write(tmp_path, good(tmp_path).replace("[proxy]\n", "[proxy]\nworkers = 0\n", 1))
+    monkeypatch.setenv("AFFIDAVIT_PROXY__EVENT_LOOP", "libuv")
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path} and environment: invalid configuration (2 problem(s))"), message
+    assert f"  proxy.workers (from {path}): Input should be greater than or equal to 1" in message, message
+    assert "  proxy.event_loop (from AFFIDAVIT_PROXY__EVENT_LOOP): Input should be 'uvloop' or 'asyncio'" in message, message
+
+
 def test_broken_toml_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match=r"affidavit.toml: not valid TOML: .*line 2"):
         load_settings(write(tmp_path, "[proxy]\nlisten = \n"))
@@ -397,7 +429,7 @@ def test_a_missing_ca_bundle_and_a_doubled_key_id_are_named_once(tmp_path, monke
     monkeypatch.setenv("AFFIDAVIT_CRYPTO__KEYS", '["k=env:A", "k=env:B"]')
     with pytest.raises(ConfigError) as refused:
         load_settings()
-    assert "crypto.keys: the name 'k' is used twice" in str(refused.value)
+    assert "crypto.keys (from AFFIDAVIT_CRYPTO__KEYS): the name 'k' is used twice" in str(refused.value)
     assert "crypto.keys: crypto.keys" not in str(refused.value)
 
 
