@@ -73,26 +73,38 @@ def prepare_database(settings: Settings, *, nothing: str = "Nothing was started"
     if auto is None:
         auto = settings.database.is_sqlite
     try:
+        current = schema_revision(settings.database.url)
         if auto:
             migrate.upgrade(settings.database.url)
             return
-        current = migrate.current(settings.database.url)
+    except ConfigError:
+        raise
     except Exception as exc:  # the database cannot be reached or used: one line, not a traceback
         raise StartupError(
             f"database.url {redact_url(settings.database.url)}: {brief(exc)}. {nothing}; check that the "
             f"database is up and reachable with this URL, then {then}."
         ) from None
-    if current is not None and not migrate.known(current):
-        raise ConfigError(
-            f"database.url: the schema is at {current}, which a newer broker made; this broker knows only up to "
-            f"{migrate.head()} (and `affidavit db upgrade` from it cannot go back). Run the newer version's broker."
-        )
     if current != migrate.head():
         raise ConfigError(
             f"database.url: {f'the schema is at {current}' if current else 'the database has no journal schema yet'}, "
             f"this broker needs {migrate.head()}. "
             "Run `affidavit db upgrade` first (or set database.auto_upgrade = true)."
         )
+
+
+def schema_revision(url: str) -> str | None:
+    """The revision the journal's schema at ``url`` is at (None: it has none yet). One that a newer
+    broker made is refused with :class:`ConfigError`, before anything runs against it: this broker
+    cannot serve it, and its migrations cannot take it back (alembic would only say it cannot
+    locate the revision)."""
+    current = migrate.current(url)
+    if current is not None and not migrate.known(current):
+        raise ConfigError(
+            f"database.url {redact_url(url)}: the schema is at {current}, which a newer broker made; this broker "
+            f"knows only up to {migrate.head()} and cannot go back (there is no downgrade), so nothing was changed. "
+            "Run the newer version (its broker, and its `affidavit db upgrade`) against this database."
+        )
+    return current
 
 
 def env_lines(settings: Settings, agent: str | None = None, token: str | None = None) -> list[str]:

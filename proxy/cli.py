@@ -137,12 +137,16 @@ def ca(config: ConfigOption = None, pem: Annotated[bool, typer.Option(help="Prin
 @db_app.command("upgrade")
 def db_upgrade(config: ConfigOption = None) -> None:
     """Bring the journal's schema to the version this broker needs."""
-    from .app import redact_url
+    from .app import redact_url, schema_revision
     from .store import migrate
 
     settings = settings_or_exit(config)
     try:
+        schema_revision(settings.database.url)  # a newer broker's schema: refused as `affidavit run` refuses it
         migrate.upgrade(settings.database.url)
+    except ConfigError as exc:
+        typer.echo(f"affidavit: {exc}", err=True)
+        raise typer.Exit(2) from None
     except Exception as exc:
         from .store.journal import brief
 

@@ -403,9 +403,11 @@ def test_a_broker_older_than_its_schema_says_so_instead_of_advising_an_upgrade(t
         upgraded = subprocess.run([AFFIDAVIT, "db", "upgrade"], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
         assert upgraded.returncode == 0, upgraded.stderr
         query(url, "UPDATE alembic_version SET version_num = '9999'")  # as a newer broker would leave it
-        done = subprocess.run([AFFIDAVIT, "run"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
-        assert done.returncode == 2, done.stderr[-2000:]
-        assert "the schema is at 9999, which a newer broker made" in done.stderr and "Traceback" not in done.stderr
+        for command in (["run"], ["db", "upgrade"]):
+            done = subprocess.run([AFFIDAVIT, *command], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+            assert done.returncode == 2, (command, done.stderr[-2000:])
+            assert "the schema is at 9999, which a newer broker made" in done.stderr and "Traceback" not in done.stderr
+            assert "Can't locate revision" not in done.stderr, done.stderr
     finally:
         drop()
     url, drop = fresh_database(pg_admin_url)  # never upgraded, and not to be upgraded at start
@@ -418,6 +420,30 @@ def test_a_broker_older_than_its_schema_says_so_instead_of_advising_an_upgrade(t
         assert "Run `affidavit db upgrade` first" in done.stderr
     finally:
         drop()
+
+
+def test_db_upgrade_and_run_refuse_a_sqlite_schema_a_newer_broker_made(tmp_path):
+    """The systemd unit runs `affidavit db upgrade` before every start (ExecStartPre), so after a
+    rollback this is the message an operator reads; SQLite, upgraded at every start, says the same."""
+    import sqlite3
+
+    path = write(tmp_path, good(tmp_path))
+    journal = tmp_path / "j.db"
+    env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")}, "BUILDER_TOKEN": "t"}
+    upgraded = subprocess.run([AFFIDAVIT, "db", "upgrade", "-c", str(path)], capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path, env=env)
+    assert upgraded.returncode == 0, upgraded.stderr
+    with sqlite3.connect(journal) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '9999'")  # as a newer broker would leave it
+    for command in (["db", "upgrade"], ["run"]):
+        done = subprocess.run([AFFIDAVIT, *command, "-c", str(path)], capture_output=True, text=True, timeout=60,
+                              cwd=tmp_path, env=env)
+        assert done.returncode == 2, (command, done.stderr[-2000:])
+        assert (f"database.url sqlite+aiosqlite:///{journal}: the schema is at 9999, which a newer broker made; "
+                "this broker knows only up to") in done.stderr, done.stderr
+        assert "Can't locate revision" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    with sqlite3.connect(journal) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [("9999",)]
 
 
 def test_a_missing_ca_bundle_and_a_doubled_key_id_are_named_once(tmp_path, monkeypatch):
