@@ -96,7 +96,10 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
             advice = ("this database has no journal schema, or an older one: run `affidavit db upgrade` with this "
                       "configuration (or start the broker with database.auto_upgrade = true)")
         elif queries.unreachable(exc):
-            advice = "is the database up and reachable? Try again once it is"
+            from .app import redact_url
+
+            advice = (f"database.url is {redact_url(settings.database.url)}: {queries.what_to_check(exc)}, "
+                      "then run the command again")
         else:
             advice = "see the error above; nothing was changed"
         typer.echo(f"affidavit: the journal could not be read ({exc.__class__.__name__}: {brief(exc)}); {advice}",

@@ -377,6 +377,33 @@ def test_a_database_that_cannot_be_reached_at_start_is_one_line_not_a_traceback(
     assert "check that the database is up" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("where", "check"),
+    [
+        ("no-such-database", "the server has no database of that name; check the database name"),
+        ("unresolvable-host", "its host name does not resolve; check the host"),
+        ("refused-port", "nothing accepts connections at its host and port; check that the database is up"),
+    ],
+)
+def test_a_read_command_that_cannot_reach_the_journal_names_the_url_and_what_to_check(tmp_path, request, where, check):
+    from sqlalchemy.engine import make_url
+
+    from tests.support.broker import free_port
+
+    if where == "no-such-database":
+        url = make_url(request.getfixturevalue("pg_admin_url")).set(database=f"ops_absent_{free_port()}")
+    else:
+        host, port = ("no-such-host.invalid", 5432) if where == "unresolvable-host" else ("127.0.0.1", free_port())
+        url = make_url(f"postgresql+asyncpg://postgres@{host}:{port}/journal")
+    url = url.set(password="s3cret-pw")
+    env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")},
+           "AFFIDAVIT_DATABASE__URL": url.render_as_string(hide_password=False)}
+    done = subprocess.run([AFFIDAVIT, "invocations", "list"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 1, done.stderr
+    assert f"database.url is {url.render_as_string(hide_password=True)}: {check}" in done.stderr, done.stderr
+    assert "then run the command again" in done.stderr and "s3cret-pw" not in done.stderr, done.stderr
+
+
 def test_an_environment_variable_for_a_section_that_does_not_exist_is_refused(tmp_path):
     env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")},
            "AFFIDAVIT_PROXYY__LISTEN": "127.0.0.1:9999", "AFFIDAVIT_API_URL": "http://127.0.0.1:8081"}

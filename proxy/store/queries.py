@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Iterator
 
 import asyncio
+import socket
 import sqlite3
 
 import asyncpg
@@ -52,6 +53,26 @@ def unreachable(exc: BaseException) -> bool:
     SQLAlchemy and its drivers wrap the cause (``orig``, ``__cause__``): the whole chain is looked at.
     """
     return any(_away(error) for error in causes(exc))
+
+
+def what_to_check(exc: BaseException) -> str:
+    """For an error :func:`unreachable` says is an outage: which part of the database URL it points
+    at (host, port, database name, credentials) and what to check, or all of them when it does not say."""
+    for error in causes(exc):
+        sqlstate = getattr(error, "sqlstate", None)
+        if isinstance(error, socket.gaierror):
+            return "its host name does not resolve; check the host (a typo, or DNS)"
+        if isinstance(error, ConnectionRefusedError):
+            return "nothing accepts connections at its host and port; check that the database is up and listening there"
+        if sqlstate == "3D000":
+            return "the server has no database of that name; check the database name"
+        if isinstance(sqlstate, str) and sqlstate.startswith("28"):
+            return "the server refused the login; check the user name and the password (PGPASSWORD, or the URL's)"
+        if isinstance(error, (asyncio.TimeoutError, TimeoutError)):
+            return "it did not answer in time; check that the database is up and that its host and port are right"
+        if isinstance(error, sqlite3.Error):
+            return "the SQLite file could not be used; check that no other process holds it locked and that it is readable"
+    return "check that the database is up and that its host, port, database name and credentials are right"
 
 
 def schema_missing(exc: BaseException) -> bool:
