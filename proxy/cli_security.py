@@ -80,9 +80,7 @@ _ARGV_REFUSED = (
 _EXTRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-def _read_value(ctx: typer.Context, verb: str) -> str:
-    if ctx.args:
-        _fail(_ARGV_REFUSED.format(verb=verb), 2)  # never echo ctx.args: it is the secret
+def _read_value() -> str:
     if sys.stdin is None or not sys.stdin.isatty():
         value = sys.stdin.read() if sys.stdin is not None else ""
         value = value.removesuffix("\n").removesuffix("\r")  # the one newline `echo` adds
@@ -98,8 +96,15 @@ def _store(ctx: typer.Context, config: Path | None, name: str, verb: str) -> Non
     from .app import StartupError, prepare_database
     from .crypto import KeyRing
 
-    value = _read_value(ctx, verb)
+    # The arguments first: a usage error must not wait for a value typed twice or piped in.
+    if ctx.args:
+        _fail(_ARGV_REFUSED.format(verb=verb), 2)  # never echo ctx.args: it is the secret
+    try:
+        vault.check_name(name)
+    except ValueError as exc:
+        _fail(f"{exc}; nothing was stored", 2)
     settings = settings_or_exit(config)
+    value = _read_value()
     try:
         ring = KeyRing.from_settings(settings.crypto)
         # The schema as `affidavit run` would have it: a new SQLite journal is created and

@@ -45,7 +45,8 @@ def label(version: int) -> str:
     return f"v{version}"
 
 
-def _check_name(name: str) -> None:
+def check_name(name: str) -> None:
+    """Refuse (ValueError) a name no secret can have, before anything else is asked or done."""
     if not NAME.match(name):
         raise ValueError("a secret name is 1-100 characters of letters, digits, '_', '.' or '-'")
 
@@ -69,7 +70,7 @@ async def rotate(engine: AsyncEngine, ring: KeyRing, name: str, value: str) -> s
 
 
 async def _store(engine: AsyncEngine, ring: KeyRing, name: str, value: str, *, must_exist: bool) -> str:
-    _check_name(name)
+    check_name(name)
     if not ring.enabled:
         raise _locked(f"secret '{name}'")
     if not value:

@@ -344,6 +344,25 @@ def test_secrets_set_on_a_new_sqlite_journal_creates_it_as_the_broker_would(tmp_
     assert "payments-key: v1" in listed.stdout, listed.stderr
 
 
+@pytest.mark.parametrize("verb", ["set", "rotate"])
+def test_an_invalid_secret_name_is_a_usage_error_before_any_value_is_read(tmp_path: Path, verb):
+    """Refused from the arguments alone: not after a value was piped in or typed twice, and before
+    the journal is touched (a new SQLite one would have been created for nothing)."""
+    workdir = tmp_path / "usage"
+    workdir.mkdir()
+    config = write_config(workdir, f"sqlite+aiosqlite:///{workdir / 'journal.db'}")
+    env = cli_env(generate_key())
+    for stdin in ("", canary()):
+        done = run_cli("secrets_app", verb, "bad name!", "-c", str(config), cwd=workdir, env=env, stdin=stdin)
+        assert done.returncode == 2, done.stderr
+        assert "a secret name is 1-100 characters" in done.stderr and "nothing was stored" in done.stderr, done.stderr
+        assert "no value was given" not in done.stderr, done.stderr
+    argv = [sys.executable, "-c", RUNNER.format(app="secrets_app"), verb, "bad name!", "-c", str(config)]
+    output, status = in_terminal(argv, cwd=workdir, env=env, answers=[], timeout=20)
+    assert status == 2 and "Value" not in output, output
+    assert not (workdir / "journal.db").exists()
+
+
 def test_secrets_set_with_the_database_down_says_nothing_was_stored_and_to_run_it_again(tmp_path: Path):
     """The broker's start-up words ("Nothing was started ... start again") are not this command's."""
     from tests.support.broker import free_port
