@@ -43,7 +43,10 @@ CA_FILE = "mitmproxy-ca-cert.pem"
 
 
 def ca_path(settings: Settings) -> Path:
-    return (settings.proxy.confdir / CA_FILE).resolve()
+    """Absolute, but with its symbolic links kept: a Kubernetes Secret mount reaches the file
+    through ``..data``, a link the kubelet moves to a new directory at every update, so a resolved
+    path handed to agents would name a directory that is gone after the next one."""
+    return (settings.proxy.confdir / CA_FILE).absolute()
 
 
 def resolve_tokens(settings: Settings) -> tuple[dict[str, str], str | None]:

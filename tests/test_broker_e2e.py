@@ -217,7 +217,7 @@ def test_affidavit_env_lines_work_for_requests(broker: BrokerProcess, upstream: 
     for line in done.stdout.decode().splitlines():
         key, _, value = line.removeprefix("export ").partition("=")
         env[key] = value.strip('"')
-    assert env["SSL_CERT_FILE"] == str(broker.ca_path.resolve())
+    assert env["SSL_CERT_FILE"] == str(broker.ca_path.absolute())
     script = "import requests; r = requests.get('https://api.payments.test/h/status?code=200', timeout=20); print(r.status_code, r.headers['Affidavit-Outcome'])"
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=60)
     assert run.returncode == 0, run.stderr.decode()

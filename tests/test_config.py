@@ -343,6 +343,24 @@ def test_affidavit_ca_without_a_ca_says_where_it_looked_and_what_to_do(tmp_path)
     assert "pass its --config" in done.stderr and "relative" not in done.stderr, done.stderr
 
 
+def test_ca_and_env_print_the_ca_path_as_configured_not_through_its_symlinks(tmp_path):
+    """As a Kubernetes Secret is mounted: each file is a link through `..data`, itself a link to a
+    timestamped directory the kubelet replaces at every update. Agents must be given the stable path."""
+    mount = tmp_path / "ca"
+    (mount / "..2026_01_01_00_00_00.000").mkdir(parents=True)
+    (mount / "..2026_01_01_00_00_00.000" / "mitmproxy-ca-cert.pem").write_text("PEM\n")
+    (mount / "..data").symlink_to("..2026_01_01_00_00_00.000")
+    (mount / "mitmproxy-ca-cert.pem").symlink_to("..data/mitmproxy-ca-cert.pem")
+    path = write(tmp_path, good(tmp_path).replace("[proxy]\n", f'[proxy]\nconfdir = "{mount}"\n', 1))
+    expected = str(mount / "mitmproxy-ca-cert.pem")
+    done = subprocess.run([AFFIDAVIT, "ca", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == expected, done
+    done = subprocess.run([AFFIDAVIT, "ca", "--pem", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "PEM", done
+    done = subprocess.run([AFFIDAVIT, "env", "--config", str(path), "--token", "t"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0 and f'export SSL_CERT_FILE="{expected}"' in done.stdout, done
+
+
 def test_the_test_brokers_first_start_moves_off_a_port_taken_meanwhile(make_broker):
     """Test infrastructure: parallel workers can take a port between free_port() and the broker's
     bind; the first start then moves to new ports instead of failing the test."""
