@@ -89,7 +89,8 @@ def prepare_database(settings: Settings, *, nothing: str = "Nothing was started"
         ) from None
     if current != migrate.head():
         raise ConfigError(
-            f"database.url: {f'the schema is at {current}' if current else 'the database has no journal schema yet'}, "
+            f"database.url {redact_url(settings.database.url)}: "
+            f"{f'the schema is at {current}' if current else 'the database has no journal schema yet'}, "
             f"this broker needs {migrate.head()}. "
             "Run `affidavit db upgrade` first (or set database.auto_upgrade = true)."
         )

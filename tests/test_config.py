@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from proxy.app import redact_url
 from proxy.config import ConfigError, load_settings, parse_duration
 from tests.support.broker import AFFIDAVIT, free_port
 
@@ -462,6 +463,7 @@ def test_a_broker_older_than_its_schema_says_so_instead_of_advising_an_upgrade(t
         done = subprocess.run([AFFIDAVIT, "run"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
         assert done.returncode == 2, done.stderr[-2000:]
         assert "the database has no journal schema yet, this broker needs" in done.stderr, done.stderr[-2000:]
+        assert f"database.url {redact_url(url)}: " in done.stderr, "it names the database it looked at"
         assert "Run `affidavit db upgrade` first" in done.stderr
     finally:
         drop()
