@@ -131,7 +131,10 @@ def ca(config: ConfigOption = None, pem: Annotated[bool, typer.Option(help="Prin
         )
         typer.echo(f"affidavit: no CA at {path}: the first `affidavit run` with this configuration creates it. {where}", err=True)
         raise typer.Exit(1)
-    typer.echo(path.read_text() if pem else str(path))
+    if pem:
+        typer.echo(path.read_text(), nl=False)  # the file as it is: it ends in its own newline
+    else:
+        typer.echo(str(path))
 
 
 @db_app.command("upgrade")

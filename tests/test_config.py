@@ -357,7 +357,7 @@ def test_ca_and_env_print_the_ca_path_as_configured_not_through_its_symlinks(tmp
     done = subprocess.run([AFFIDAVIT, "ca", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.strip() == expected, done
     done = subprocess.run([AFFIDAVIT, "ca", "--pem", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert done.returncode == 0 and done.stdout.strip() == "PEM", done
+    assert done.returncode == 0 and done.stdout == "PEM\n", "the file as it is, no blank line after it"
     done = subprocess.run([AFFIDAVIT, "env", "--config", str(path), "--token", "t"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 0 and f'export SSL_CERT_FILE="{expected}"' in done.stdout, done
 
