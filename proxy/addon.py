@@ -274,35 +274,45 @@ def install_core_refusals(body_limit: int) -> None:
         that matter here: it drops the two bytes after a chunk's data unread (``helloXX`` passes
         for ``hello\\r\\n``: a body the upstream may frame differently), and it waits for a
         chunk-size line to end in CRLF however long the line grows (a bare LF, ``5\\nhello``,
-        leaves the agent waiting for an answer that never comes). Both are framing errors here."""
+        leaves the agent waiting for an answer that never comes). Both are framing errors here.
+        It also holds a trailer section whole, however long, before it ends; trailers are
+        refused as soon as their first byte arrives."""
 
         def __init__(self, reader: Any):
             self.reader = reader
             self.chunked = isinstance(reader, ChunkedReader)
 
         def __call__(self, buf: Any) -> Any:
-            if self.chunked and not self.framed(buf):
-                raise Unreadable(refusal(400))
+            if self.chunked and (refused := self.misframed(buf)) is not None:
+                raise Unreadable(refused)
             try:
                 event = self.reader(buf)
             except ProtocolError:
                 raise Unreadable(refusal(400)) from None
-            if event is None and self.chunked and not self.framed(buf):
-                raise Unreadable(refusal(400))
+            if event is None and self.chunked and (refused := self.misframed(buf)) is not None:
+                raise Unreadable(refused)
             if isinstance(event, EndOfMessage) and event.headers:
                 raise Unreadable(trailers_refused())
             return event
 
-        def framed(self, buf: Any) -> bool:
-            """Whether what is buffered can still begin the rest of a well-framed chunked body."""
+        def misframed(self, buf: Any) -> http.Response | None:
+            """The refusal of what is buffered, when it cannot begin the rest of a well-framed
+            chunked body without trailers (h11 would hold a trailer section however long, and the
+            broker refuses trailers anyway); None while it still can."""
             reader, data = self.reader, buf._data  # h11's ReceiveBuffer: its bytes, unconsumed
+            if reader._reading_trailer:  # after the last chunk: only the CRLF that ends the body
+                if data[:2] == b"\r\n"[:len(data[:2])]:
+                    return None
+                return refusal(400) if data[:1] == b"\n" else trailers_refused()
             discard = reader._bytes_to_discard  # 0.14: how many bytes of a chunk's CRLF are due
             if isinstance(discard, int) and discard:
-                return data[:discard] == b"\r\n"[2 - discard:][:len(data)]
-            if discard or reader._bytes_in_chunk or reader._reading_trailer:
-                return True  # chunk data (or, in a newer h11, a CRLF it checks itself) or trailers
+                return None if data[:discard] == b"\r\n"[2 - discard:][:len(data)] else refusal(400)
+            if discard or reader._bytes_in_chunk:
+                return None  # chunk data (or, in a newer h11, a CRLF it checks itself)
             line_end = data.find(b"\n", 0, MAX_CHUNK_LINE)
-            return len(data) < MAX_CHUNK_LINE if line_end < 0 else line_end > 0 and data[line_end - 1] == 0x0D
+            if line_end < 0:
+                return None if len(data) < MAX_CHUNK_LINE else refusal(400)
+            return None if line_end > 0 and data[line_end - 1] == 0x0D else refusal(400)
 
         def read_eof(self) -> Any:  # the agent hung up mid-body: mitmproxy's handling is right
             return self.reader.read_eof()

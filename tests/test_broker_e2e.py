@@ -979,6 +979,8 @@ def _h2_request(
         ("tunnel", b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nTransfer-Encoding: chunked\r\n\r\n5\nhello\n0\n\n", 400, "MALFORMED_REQUEST"),
         ("tunnel", b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhelloXX0\r\n\r\n", 400, "MALFORMED_REQUEST"),
         ("tunnel", b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nTransfer-Encoding: chunked\r\n\r\n" + b"0" * 5000, 400, "MALFORMED_REQUEST"),
+        # A trailer section that never ends (h11 would hold it whole, before any credential is looked at).
+        ("plain", b"POST http://plain.example.test/h/ok HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\nX-T: " + b"a" * 300000, 400, "MALFORMED_REQUEST"),
         # Past the largest max_body (10 MiB by default) plus 1 MiB: refused on its Content-Length,
         # before a byte of the body is read.
         ("tunnel", b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nContent-Length: 12582912\r\n\r\n", 413, "PAYLOAD_LIMIT"),
