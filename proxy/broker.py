@@ -27,7 +27,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import quote, urlsplit
 from typing import Any, Awaitable, Callable, TypeVar
 
 from . import metrics
@@ -63,7 +63,7 @@ from .credentials import (
 from .envelope import MEDIA_TYPE, encode, envelope, status_for
 from .fingerprint import approval_fingerprint, body_sha256, config_digest, fingerprint, normalized_target
 from .invocation_log import Identity, InvocationLog, aware as _aware, identity_of, new_invocation_id, utcnow
-from .routing import Refusal, match_route
+from .routing import Refusal, fully_decoded, match_route
 from .failpoints import failpoint
 from .invocation_view import operation_of, retention_open
 from .recovery import closing_events
@@ -1349,9 +1349,10 @@ async def _settled_or_released(
             timer.cancel()
 
 
-#: What may not appear anywhere in a header line: each would split the request written upstream
-#: (or be read differently by the upstream than by the broker).
-_SPLITTER = re.compile("[\r\n\0]")
+#: What may not appear anywhere in a header line: a line break or a NUL would split the request
+#: written upstream, and any other control character but HTAB (which HTTP/2 can carry, RFC 9113
+#: 8.2.1 notwithstanding) be read differently by the upstream than by the broker.
+_SPLITTER = re.compile("[\0-\x08\n-\x1f\x7f]")
 
 #: What may not appear in the request target (RFC 9112 3.2, RFC 3986 appendix A): anything but
 #: visible ASCII, which an HTTP/2 agent can send in ``:path`` and which, written into the
@@ -1382,9 +1383,9 @@ def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
     if _SPLITTER.search("".join([name + value for name, value in req.headers])):
         for name, value in req.headers:
             if _SPLITTER.search(name + value):
-                return (f"The request header {shown(name)!r} holds a line break or a NUL byte, which would split "
-                        "the request sent upstream. Nothing was sent and no secret was touched. Send each header on "
-                        "one line.")
+                return (f"The request header {shown(name)!r} holds a control character (a line break, a NUL "
+                        "byte, ...), which would split the request sent upstream or be read differently there. "
+                        "Nothing was sent and no secret was touched. Send each header on one line, as text.")
     if found := _NOT_IN_A_TARGET.search(req.path):
         return (f"The request target {shown(req.path)!r} holds {ascii(found.group())}, which may not appear "
                 "unencoded in a request target (only visible ASCII may, and '#' begins a fragment, never sent). "
@@ -1400,6 +1401,10 @@ def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
                 return (f"The request path {shown(path)!r} has a '.' or '..' segment (perhaps percent-encoded, or "
                         "with ';' parameters), which the upstream may resolve to a path no route allows. Nothing "
                         "was sent and no secret was touched. Send the path with those segments resolved.")
+    if (transfer := req.values_of("transfer-encoding")) and codings_of(", ".join(transfer)) != ["chunked"]:
+        return (f"The request's Transfer-Encoding is {', '.join(transfer)!r}: the broker undoes chunked only, and would "
+                "send the body still coded but described as plain. Nothing was sent and no secret was touched. Send "
+                "the body chunked or with a Content-Length, compressed (if at all) under Content-Encoding.")
     keys = req.values_of(idempotency_header) or []
     if len(set(k.strip() for k in keys)) > 1:
         return (f"The request has {len(keys)} different {idempotency_header} headers. Nothing was sent. Send one key: "
@@ -1414,11 +1419,7 @@ def _dot_segment(segment: str) -> bool:
     """Whether a path segment is, or hides, ``.`` or ``..`` to an upstream that decodes it (once,
     or again: ``%252e``), splits it at an encoded slash or a backslash, or reads a segment's name
     only up to ``;`` or a NUL."""
-    decoded = segment
-    for _ in range(3):
-        if "%" not in decoded:
-            break
-        decoded = unquote(decoded, errors="surrogateescape")
+    decoded = fully_decoded(segment)
     return any(_SEGMENT_NAME.match(part).group() in (".", "..") for part in decoded.replace("\\", "/").split("/"))
 
 

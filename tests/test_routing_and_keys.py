@@ -51,6 +51,8 @@ def key_routes(up: HostileUpstream) -> list[dict[str, Any]]:
         {"name": "glob", "host": "glob.example.test", "path": "/v1/charges*", "methods": ["GET", "POST"],
          "agents": ["builder"], "connect_to": good},
         pin("pin-glob-8443", "glob.example.test", 8443, good),
+        {"name": "suffix", "host": "suffix.example.test", "path": "/files/*.json", "methods": ["GET"],
+         "agents": ["builder"], "connect_to": good},
         {"name": "filesecret", "host": "file.example.test", "methods": ["GET"], "agents": ["builder"],
          "credential": FILE_SECRET, "inject": {"header": "X-Api-Key", "value": "Token {secret}"}, "connect_to": good},
         {"name": "keys-a", "host": "keys-a.example.test", "methods": ["POST"], "agents": ["builder", "reviewer"], "connect_to": good},
@@ -173,6 +175,30 @@ def test_a_path_outside_the_glob_is_an_invalid_target(broker, upstream, url):
     assert sent(upstream) == []
 
 
+@pytest.mark.parametrize("path", [
+    "/files/secret.txt;.json",  # servlet containers drop a segment's ';' parameters
+    "/files/admin/delete;x.json",
+    "/files/secret.txt%3b.json",
+    "/files/secret.txt%00.json",  # C servers stop at a NUL
+    "/files/secret.txt%2500.json",  # decoded twice
+    "/files/secret.txt%3f.json",  # decoded, the rest is a query
+    "/files/secret.txt%23.json",
+])
+def test_a_path_that_matches_the_glob_only_as_written_is_an_invalid_target(broker, upstream, path):
+    """A glob with a fixed ending must also match the path as a lenient upstream reads it."""
+    with broker.client() as client:
+        body = refused(broker, client.get(f"https://suffix.example.test{path}"), 403, "INVALID_TARGET")
+    assert "as an upstream may read it" in body["error"]["message"] and "/files/secret.txt'" in body["error"]["message"] \
+        or "/files/admin/delete'" in body["error"]["message"], body["error"]["message"]
+    assert sent(upstream) == []
+
+
+def test_a_path_whose_lenient_reading_the_glob_allows_too_is_served(broker, upstream):
+    with broker.client() as client:
+        assert client.get("https://suffix.example.test/files/a;v=1/b%20c.json").status_code == 200
+    assert [r.path for r in sent(upstream)] == ["/files/a;v=1/b%20c.json"], "sent as written"
+
+
 def test_another_port_is_an_invalid_target(broker, upstream):
     with broker.client() as client:
         r = client.get("https://glob.example.test:8443/v1/charges")
@@ -219,6 +245,8 @@ def test_a_file_secret_is_read_at_use_injected_and_never_shown(broker, upstream)
 
 
 def test_two_agents_with_one_key_on_one_route_get_two_invocations(broker, upstream):
+    """Two invocations for the broker; upstream, the key goes as sent by each (docs/retries.md: at
+    the upstream, agents that share a credential share its keys)."""
     k = key()
     url = "https://keys-a.example.test/h/idem_ignore?code=201"
     answers = {}
@@ -233,6 +261,7 @@ def test_two_agents_with_one_key_on_one_route_get_two_invocations(broker, upstre
     ids = {agent: r.headers["affidavit-invocation-id"] for agent, r in answers.items()}
     assert ids["builder"] != ids["reviewer"]
     assert upstream.effects_by_key[k] == 2 and len(sent(upstream)) == 2
+    assert [r.header("Idempotency-Key") for r in sent(upstream)] == [k, k], "forwarded as sent, not per agent"
     for agent, invocation_id in ids.items():
         record = broker.invocation(invocation_id, broker.agents[agent].token)
         assert record["agent"] == agent and record["outcome"] == "committed"
