@@ -341,13 +341,17 @@ class _Exchange:
         await self.prepare_body(response)
         stored_body, redacted, withheld = self.clean_body(response)
         stored_headers, headers_redacted = _redact_headers(_withheld_headers(stored_headers, withheld), self.needles)
+        # The hash and length of a body that held (or may hold) the secret would let anyone who
+        # reads the record test a guess of it offline: those are left out, and the stored body's
+        # hash (RESULT_COMMITTED) stands for it.
+        held_secret = redacted or withheld is not None
         self.entry.append(
             EventKind.REMOTE_RESPONSE_COMPLETE,
             attempt=self.attempt,
             status=response.status,
             framing=response.framing,
-            body_sha256=response.body_sha256,
-            body_bytes=len(response.body),
+            body_sha256=None if held_secret else response.body_sha256,
+            body_bytes=None if held_secret else len(response.body),
             peer_certificate=response.peer_certificate_sha256,
             retry_after=retry_after_seconds(response.header("Retry-After")),
             location=_redacted_text(response.header("Location"), self.needles),
@@ -372,7 +376,7 @@ class _Exchange:
             "body": body,
             # The hash of the bytes stored here (encrypted, when keys are configured), so the table
             # never lets anyone confirm a guess of a plaintext body; the original body's hash is
-            # in the (encrypted) REMOTE_RESPONSE_COMPLETE payload.
+            # in the (encrypted) REMOTE_RESPONSE_COMPLETE payload, unless it held the secret.
             "body_sha256": hashlib.sha256(body).hexdigest(),
             "framing": response.framing,
             "key_id": key_id,
