@@ -395,8 +395,11 @@ def install_caller_watch(addon: "BrokerAddon") -> None:
     Pinned by the HTTP/2 reset and close tests in tests/test_hostile_contract.py and
     tests/test_human_control.py (and the HTTP/1 ones there), so an upgrade that moves it fails.
     """
+    import h2.errors
+    import h2.events
+    from mitmproxy.proxy.commands import SendData
     from mitmproxy.proxy.layers.http import HttpStream, RequestProtocolError
-    from mitmproxy.proxy.layers.http._http2 import Http2Server
+    from mitmproxy.proxy.layers.http._http2 import Http2Server, parse_h2_request_headers
 
     handle_event = getattr(HttpStream.handle_event, "__wrapped__", HttpStream.handle_event)
 
@@ -421,10 +424,34 @@ def install_caller_watch(addon: "BrokerAddon") -> None:
         # that one. HTTP/1's checks (mitmproxy's validate_inbound_headers) stay as they are.
         self.h2_conf.validate_inbound_headers = False
 
+    handle_h2_event = getattr(Http2Server.handle_h2_event, "__wrapped__", Http2Server.handle_h2_event)
+
+    def http2_handle_h2_event(self: Any, event: Any) -> Any:
+        # Pseudo-header fields mitmproxy cannot parse (one missing, one twice, one unknown) would
+        # end the whole connection too: that one stream gets its envelope, ended (and reset if
+        # the agent was still sending), and the connection's other requests go on.
+        if isinstance(event, h2.events.RequestReceived):
+            try:
+                parse_h2_request_headers(event.headers)
+            except ValueError as exc:
+                response = http2_refused(f"The request's HTTP/2 pseudo-header fields are malformed ({exc}).")
+                fields = [(b":status", b"%d" % response.status_code),
+                          *((name.lower(), value) for name, value in response.headers.fields),
+                          (b"content-length", b"%d" % len(response.content or b""))]
+                self.h2_conn.send_headers(event.stream_id, fields)
+                self.h2_conn.send_data(event.stream_id, response.content or b"", end_stream=True)
+                if event.stream_ended is None:
+                    self.h2_conn.reset_stream(event.stream_id, h2.errors.ErrorCodes.NO_ERROR)
+                yield SendData(self.conn, self.h2_conn.data_to_send())
+                return False
+        return (yield from handle_h2_event(self, event))
+
     stream_handle_event.__wrapped__ = handle_event  # type: ignore[attr-defined]
     http2_server_init.__wrapped__ = server_init  # type: ignore[attr-defined]
+    http2_handle_h2_event.__wrapped__ = handle_h2_event  # type: ignore[attr-defined]
     HttpStream.handle_event = stream_handle_event  # type: ignore[method-assign]
     Http2Server.__init__ = http2_server_init  # type: ignore[method-assign]
+    Http2Server.handle_h2_event = http2_handle_h2_event  # type: ignore[method-assign]
 
 
 _STREAM_ID = "affidavit.stream_id"

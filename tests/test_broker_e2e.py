@@ -853,6 +853,25 @@ def test_an_http2_request_with_fields_http2_forbids_is_refused_alone(broker: Bro
     assert sorted(r.path for r in upstream.received) == ["/h/ok", "/h/slow?delay=0.5"], "the malformed one was not sent"
 
 
+@pytest.mark.parametrize("fields", [[(":path", "/admin")], [(":protocol", "websocket")], [(":status", "200")]])
+def test_an_http2_request_with_malformed_pseudo_headers_is_refused_alone(broker: BrokerProcess, upstream: HostileUpstream, fields):
+    """A pseudo-header twice, or one a request may not have: mitmproxy would end the connection
+    (GOAWAY), and with it the answer of a request already dispatched on it."""
+    from tests.support.h2agent import H2Agent
+
+    upstream.reset()
+    with H2Agent(broker, "api.payments.test", strict=False) as agent:
+        slow = agent.request("POST", "/h/slow?delay=0.5", body=b"{}")
+        time.sleep(0.2)  # dispatched before the malformed one arrives
+        status, headers, body = agent.response(agent.request("GET", "/h/ok", headers=fields))
+        assert status == 400 and headers["content-type"] == "application/problem+json", (status, body[:300])
+        error = check_envelope(body)["error"]
+        assert (error["code"], error["outcome"]) == ("MALFORMED_REQUEST", "not_attempted") and "pseudo-header" in error["message"]
+        assert agent.response(slow)[0] == 200, "the request dispatched on the same connection got its answer"
+        assert agent.response(agent.request("GET", "/h/ok"))[0] == 200, "the connection goes on"
+    assert sorted(r.path for r in upstream.received) == ["/h/ok", "/h/slow?delay=0.5"]
+
+
 @pytest.mark.parametrize("path", ["/h/ok HTTP/1.1", "/h/o\tk", "/h/..\x0b/admin", "/h/ok\x7f", "/h/\u00e9t\u00e9",
                                   "/h/ok#/../admin"])
 def test_an_http2_path_that_is_no_request_target_is_refused_before_it_is_sent(
