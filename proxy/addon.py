@@ -397,6 +397,7 @@ def install_caller_watch(addon: "BrokerAddon") -> None:
     """
     import h2.errors
     import h2.events
+    import h2.exceptions
     from mitmproxy.proxy.commands import SendData
     from mitmproxy.proxy.layers.http import HttpStream, RequestProtocolError
     from mitmproxy.proxy.layers.http._http2 import Http2Server, parse_h2_request_headers
@@ -433,18 +434,26 @@ def install_caller_watch(addon: "BrokerAddon") -> None:
         if isinstance(event, h2.events.RequestReceived):
             try:
                 parse_h2_request_headers(event.headers)
-            except ValueError as exc:
-                response = http2_refused(f"The request's HTTP/2 pseudo-header fields are malformed ({exc}).")
-                fields = [(b":status", b"%d" % response.status_code),
-                          *((name.lower(), value) for name, value in response.headers.fields),
-                          (b"content-length", b"%d" % len(response.content or b""))]
-                self.h2_conn.send_headers(event.stream_id, fields)
-                self.h2_conn.send_data(event.stream_id, response.content or b"", end_stream=True)
-                if event.stream_ended is None:
-                    self.h2_conn.reset_stream(event.stream_id, h2.errors.ErrorCodes.NO_ERROR)
+            except ValueError:  # its text quotes the fields: not for the envelope
+                refuse_stream(self.h2_conn, event.stream_id)
                 yield SendData(self.conn, self.h2_conn.data_to_send())
                 return False
         return (yield from handle_h2_event(self, event))
+
+    def refuse_stream(conn: Any, stream_id: int) -> None:
+        response = http2_refused(
+            "The request's HTTP/2 pseudo-header fields are malformed: one is missing or repeated, or is not one a "
+            "request may have (:method, :scheme, :authority, :path).")
+        fields = [(b":status", b"%d" % response.status_code), *((k.lower(), v) for k, v in response.headers.fields)]
+        try:
+            conn.send_headers(stream_id, fields)
+            conn.send_data(stream_id, response.content or b"", end_stream=True)
+        except h2.exceptions.H2Error:  # the agent's window or frame size does not admit it
+            conn.reset_stream(stream_id, h2.errors.ErrorCodes.PROTOCOL_ERROR)
+            return
+        stream = conn.streams.get(stream_id)
+        if stream is not None and not stream.closed:  # the agent is still sending: it need not
+            conn.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
 
     stream_handle_event.__wrapped__ = handle_event  # type: ignore[attr-defined]
     http2_server_init.__wrapped__ = server_init  # type: ignore[attr-defined]

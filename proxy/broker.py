@@ -1396,6 +1396,10 @@ def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
                 "Nothing was sent and no secret was touched. Percent-encode it.")
     path = req.path.split("?", 1)[0]
     low = path.lower()
+    if "%2525" in low:
+        return (f"The request path {shown(path)!r} is percent-encoded three times or more over ('%2525'), which "
+                "upstreams read in as many ways as they decode it. Nothing was sent and no secret was touched. "
+                "Encode the path once.")
     # Only a path with a dot at a segment's start, or an encoded dot, slash, backslash or percent
     # sign, can hold a dot-segment: the common path is not taken apart.
     if path.startswith(".") or "/." in path or "\\." in path or "%2e" in low or "%2f." in low or "%5c." in low \

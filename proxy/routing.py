@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from functools import lru_cache
 from urllib.parse import unquote
 
 from .config import Route
@@ -31,15 +32,20 @@ def match_route(
     read = as_an_upstream_may_read(path_only)
     candidates = [r for r in routes if r.matches_target(scheme, host, port) and r.matches_path(path_only)]
     mine = [r for r in candidates if agent in r.agents]
-    if read != path_only and mine and not any(r.matches_path(read) for r in mine):
-        return Refusal(
-            Code.INVALID_TARGET,
-            f"No route lets agent '{agent}' call {target} as an upstream may read it: decoded, and with each "
-            f"segment cut at ';' (parameters, which servlet containers drop), NUL, '?' or '#', the path is "
-            f"{read!r}, which no route of yours allows. Nothing was sent. Send the path without ';' parameters and "
-            "without encoded NUL, '?', '#' or ';', or ask an operator for a route whose path allows them.",
-        )
-    mine = [r for r in mine if read == path_only or r.matches_path(read)]
+    if read != path_only and mine:
+        # The route's glob, read the same way (its own '%2F' or ';' parameters decoded and cut
+        # like the path's), must allow the reading too.
+        leniently = [r for r in mine if fnmatchcase(read, _glob_read(r.path))]
+        if not leniently:
+            return Refusal(
+                Code.INVALID_TARGET,
+                f"No route lets agent '{agent}' call {target} as an upstream may read it: percent-decoded, each "
+                f"segment cut at ';' (parameters, which servlet containers drop) and the whole at a NUL (where C "
+                f"servers stop), the path is {read!r}, which no route of yours allows. Nothing was sent. Send the "
+                "path without the ';' parameters or the encoded NUL, or ask an operator for a route whose path "
+                "allows that reading.",
+            )
+        mine = leniently
     if not mine:
         return Refusal(
             Code.INVALID_TARGET,
@@ -57,16 +63,17 @@ def match_route(
     )
 
 
-#: Where a lenient upstream stops reading a path (a NUL, and once decoded the query or the
-#: fragment), and where it stops reading a segment's name (its parameters, ``;``).
-_PATH_END = re.compile("[\0?#]")
-_SEGMENT_END = re.compile("[;\0?#]")
+#: How many times :func:`fully_decoded` decodes: enough for a path encoded twice over
+#: (``%25252e``); one encoded more deeply (``%2525``) is refused before any route is looked at.
+DECODING_ROUNDS = 3
 
 
 def fully_decoded(text: str) -> str:
-    """``text`` percent-decoded, and again while that changes it (``%252e`` is ``.`` to an
-    upstream that decodes twice). Each round shortens it, so this ends."""
-    while "%" in text:
+    """``text`` percent-decoded, and again while that changes it, at most :data:`DECODING_ROUNDS`
+    times (``%252e`` is ``.`` to an upstream that decodes twice); each round is linear."""
+    for _ in range(DECODING_ROUNDS):
+        if "%" not in text:
+            break
         decoded = unquote(text, errors="surrogateescape")
         if decoded == text:
             break
@@ -75,17 +82,23 @@ def fully_decoded(text: str) -> str:
 
 
 def as_an_upstream_may_read(path: str) -> str:
-    """``path`` as the most lenient common upstream may read it: each segment decoded
-    (:func:`fully_decoded`) and its name cut at ``;`` (servlet containers drop parameters), the
-    whole path cut at a NUL (where C servers stop) or a decoded ``?`` or ``#``. A route's glob must
-    allow this reading too, or ``/files/secret.txt;.json`` would pass for ``/files/*.json`` and be
-    served as ``/files/secret.txt``. The common path (no ``%``, no ``;``) is returned as it is."""
+    """``path`` as a lenient common upstream may read it: each segment decoded
+    (:func:`fully_decoded`) and its name cut at ``;`` (servlet containers drop a segment's
+    parameters), the whole path cut at a NUL (where C servers stop). A route's glob must allow
+    this reading too (read the same way), or ``/files/secret.txt;.json`` would pass for
+    ``/files/*.json`` and be served as ``/files/secret.txt``. The common path (no ``%``, no ``;``)
+    is returned as it is."""
     if "%" not in path and ";" not in path:
         return path
     read = []
     for segment in path.split("/"):
         decoded = fully_decoded(segment)
-        read.append(_SEGMENT_END.split(decoded, maxsplit=1)[0])
-        if _PATH_END.search(decoded):
+        read.append(decoded.split(";", 1)[0].split("\0", 1)[0])
+        if "\0" in decoded:
             break
     return "/".join(read)
+
+
+@lru_cache(maxsize=None)  # keyed by the routes' globs only: as many as there are routes
+def _glob_read(glob: str) -> str:
+    return as_an_upstream_may_read(glob)

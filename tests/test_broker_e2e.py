@@ -853,8 +853,15 @@ def test_an_http2_request_with_fields_http2_forbids_is_refused_alone(broker: Bro
     assert sorted(r.path for r in upstream.received) == ["/h/ok", "/h/slow?delay=0.5"], "the malformed one was not sent"
 
 
-@pytest.mark.parametrize("fields", [[(":path", "/admin")], [(":protocol", "websocket")], [(":status", "200")]])
-def test_an_http2_request_with_malformed_pseudo_headers_is_refused_alone(broker: BrokerProcess, upstream: HostileUpstream, fields):
+@pytest.mark.parametrize(("fields", "body"), [
+    ([(":path", "/admin")], b""),
+    ([(":protocol", "websocket")], b""),
+    ([(":status", "200")], b""),
+    ([(":protocol", "websocket")], b"x" * 16000),  # headers and the whole body in one read
+    ([(":x-note", "v" * 20000)], b""),  # a long value, which the envelope does not quote
+])
+def test_an_http2_request_with_malformed_pseudo_headers_is_refused_alone(
+        broker: BrokerProcess, upstream: HostileUpstream, fields, body):
     """A pseudo-header twice, or one a request may not have: mitmproxy would end the connection
     (GOAWAY), and with it the answer of a request already dispatched on it."""
     from tests.support.h2agent import H2Agent
@@ -863,9 +870,12 @@ def test_an_http2_request_with_malformed_pseudo_headers_is_refused_alone(broker:
     with H2Agent(broker, "api.payments.test", strict=False) as agent:
         slow = agent.request("POST", "/h/slow?delay=0.5", body=b"{}")
         time.sleep(0.2)  # dispatched before the malformed one arrives
-        status, headers, body = agent.response(agent.request("GET", "/h/ok", headers=fields))
-        assert status == 400 and headers["content-type"] == "application/problem+json", (status, body[:300])
-        error = check_envelope(body)["error"]
+        refused = agent.request("POST" if body else "GET", "/h/ok", body=body, headers=fields)
+        status, headers, answer = agent.response(refused)
+        assert status == 400 and headers["content-type"] == "application/problem+json", (status, answer[:300])
+        assert [name for name, _ in agent.streams[refused]["headers"]].count("content-length") == 1, "one, or curl resets"
+        error = check_envelope(answer)["error"]
+        assert "vvvv" not in error["message"], "the envelope does not quote the request"
         assert (error["code"], error["outcome"]) == ("MALFORMED_REQUEST", "not_attempted") and "pseudo-header" in error["message"]
         assert agent.response(slow)[0] == 200, "the request dispatched on the same connection got its answer"
         assert agent.response(agent.request("GET", "/h/ok"))[0] == 200, "the connection goes on"
