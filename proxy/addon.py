@@ -303,7 +303,7 @@ def install_core_refusals(body_limit: int) -> None:
             if reader._reading_trailer:  # after the last chunk: only the CRLF that ends the body
                 if data[:2] == b"\r\n"[:len(data[:2])]:
                     return None
-                return refusal(400) if data[:1] == b"\n" else trailers_refused()
+                return refusal(400) if data[:1] in (b"\r", b"\n") else trailers_refused()
             discard = reader._bytes_to_discard  # 0.14: how many bytes of a chunk's CRLF are due
             if isinstance(discard, int) and discard:
                 return None if data[:discard] == b"\r\n"[2 - discard:][:len(data)] else refusal(400)

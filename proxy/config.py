@@ -407,6 +407,10 @@ def _unique(section: str, names: list[str]) -> set[str]:
     return seen
 
 
+#: The sections the checks across sections (Settings._references) read.
+CROSS_CHECKED = ("agents", "secrets", "routes")
+
+
 class ConfigError(Exception):
     """The configuration cannot be used. The message names the source, the key and the reason."""
 
@@ -490,20 +494,35 @@ def _origin(loc: tuple[Any, ...], toml_path: Path | None, env: EnvSettingsSource
     loc = tuple(part for part in loc if not (isinstance(part, str) and part.startswith(("function-", "constrained-"))))
     keys = list(itertools.takewhile(lambda part: isinstance(part, str), loc))
     spelled = {name if env.case_sensitive else name.lower(): name for name in os.environ}
+    from_env: Any = env()  # what the environment sets, and only that
     for depth in range(len(keys), 0, -1):
         name = env.env_prefix + env.env_nested_delimiter.join(keys[:depth])
         name = name if env.case_sensitive else name.lower()
         if name in env.env_vars:
-            return spelled.get(name, name)
+            # A variable that sets a section as JSON (AFFIDAVIT_PROXY='{...}') is merged with the
+            # file's section: it set this key only if its JSON has it. A list it sets whole.
+            if depth == len(keys) or _holds(from_env, keys):
+                return spelled.get(name, name)
+            break
     if toml_path is None:
         return "environment"
-    beneath: Any = env()  # what the environment set at loc, merged with the file's
+    if not loc:  # a check across sections: of those it reads, did the environment set any?
+        return None if any(section in from_env for section in CROSS_CHECKED) else str(toml_path)
+    beneath = from_env  # a check of a whole section or item: did the environment set part of it?
     for part in loc:
         try:
             beneath = beneath[part]
         except (KeyError, IndexError, TypeError):
             return str(toml_path)
     return None if beneath else str(toml_path)
+
+
+def _holds(data: Any, keys: list[str]) -> bool:
+    for key in keys:
+        if not isinstance(data, dict) or key not in data:
+            return False
+        data = data[key]
+    return True
 
 
 def _key(loc: tuple[Any, ...]) -> str:

@@ -67,7 +67,8 @@ def what_to_check(exc: BaseException) -> str:
         if sqlstate == "3D000":
             return "the server has no database of that name; check the database name"
         if isinstance(sqlstate, str) and sqlstate.startswith("28"):
-            return "the server refused the login; check the user name and the password (PGPASSWORD, or the URL's)"
+            return ("the server refused the login; check the user name and the password (PGPASSWORD, or the URL's), "
+                    "and that the server's pg_hba.conf lets this user reach this database from this host (and over SSL or not)")
         if isinstance(error, (asyncio.TimeoutError, TimeoutError)):
             return "it did not answer in time; check that the database is up and that its host and port are right"
         if isinstance(error, sqlite3.Error):
