@@ -131,7 +131,7 @@ class BodyLimit:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > MAX_BODY:
+        if declared.isascii() and declared.isdigit() and int(declared) > MAX_BODY:
             return await self._refuse(scope, receive, send)
         messages: list[Message] = []
         size = 0
@@ -216,7 +216,7 @@ class BoundedHead(HttpToolsProtocol):
         self._in_head, self._head_bytes, self._body_bytes = False, 0, 0
         declared = next((value for name, value in self.headers if name == b"content-length"), b"")
         idle = self.cycle is None or self.cycle.response_complete  # no answer of an earlier request on its way
-        if idle and declared.isdigit() and int(declared) > MAX_BODY and self.parser.get_method() not in (b"GET", b"HEAD"):
+        if idle and declared.isascii() and declared.isdigit() and int(declared) > MAX_BODY and self.parser.get_method() not in (b"GET", b"HEAD"):
             self._refuse(413, "Content Too Large", TOO_LARGE)
             return
         super().on_headers_complete()

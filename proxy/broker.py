@@ -95,6 +95,8 @@ IDEMPOTENCY_KEY_HEADER = "Affidavit-Idempotency-Key"
 _UNSTORED_HEADERS = frozenset({"set-cookie", "set-cookie2", "authorization", "proxy-authorization"})
 #: Stages of a complete upstream answer whose result is being made durable.
 _RECORDING = frozenset({Stage.RESPONSE_COMPLETE, Stage.COMMITTED})
+#: An exchange's stages before its complete answer is on the record.
+_BEFORE_COMPLETE = frozenset({Stage.DISPATCHED, Stage.SENT, Stage.RESPONDING})
 
 
 class Flag:
@@ -198,6 +200,8 @@ class _Settled:
     attempt: int = 1
     #: The result that could not be stored, kept to try again when the journal is back.
     result_row: dict[str, Any] | None = None
+    #: What the caller is told, when the code's usual message would not be true of this end.
+    message: str | None = None
 
 
 class LookupUnavailable(Exception):
@@ -328,7 +332,39 @@ class _Exchange:
                 self.request_written = False  # the transport's word only counts when complete
             self.record_progress()
             return _Settled(failure=exc, attempt=self.attempt)
-        return await self._record_result(response)
+        try:
+            return await self._record_result(response)
+        except Exception as exc:
+            if self.entry.record.stage not in _BEFORE_COMPLETE:
+                raise
+            return self._unrecordable(response, exc)
+
+    def _unrecordable(self, response: UpstreamResponse, exc: Exception) -> _Settled:
+        """A fault of the broker's own while it read a complete answer's evidence, before any of
+        it was recorded: the record ends ``unknown`` (the broker holds no result it can vouch
+        for) rather than stay in flight for ever, and the agent is told so with its id."""
+        log.error(
+            "invocation %s: the upstream's complete answer (status %d) could not be recorded: the broker failed "
+            "reading it (%s: %s), a bug. Nothing of it was stored and the agent was told the effect is unknown. "
+            "Reconcile the invocation with the remote (affidavit reconcile), and report this line.",
+            self.entry.invocation_id, response.status, type(exc).__name__, exc, exc_info=exc,
+        )
+        self.record_progress()
+        return _Settled(
+            failure=ExchangeFailed(
+                Code.REMOTE_OUTCOME_UNKNOWN,
+                f"the upstream answered completely (status {response.status}), but the broker failed recording the "
+                f"answer ({type(exc).__name__}); see the broker's log",
+                request_complete=response.request_complete,
+                headers_received=True,
+            ),
+            attempt=self.attempt,
+            message=(
+                f"The upstream answered completely (status {response.status}), but the broker failed recording its "
+                "answer (an internal error, in the broker's log), so it holds no result it can vouch for: the effect "
+                "is unknown. Do not blindly re-send; an operator must reconcile it."
+            ),
+        )
 
     async def _record_result(self, response: UpstreamResponse) -> _Settled:
         """Steps (1)-(3) of contract section 6: the outcome, its hash, the stored result."""
@@ -1094,7 +1130,8 @@ class Broker:
         record = entry.record
         code = record.code or Code.REMOTE_OUTCOME_UNKNOWN
         retry = entry.retry_for(record) or Retry.BACKOFF
-        return self._envelope_reply(entry, code, record.phase, record.outcome, retry, _message(code, record.outcome))
+        message = settled.message or _message(code, record.outcome)
+        return self._envelope_reply(entry, code, record.phase, record.outcome, retry, message)
 
     async def _close_when_journal_returns(self, invocation_id: str) -> None:
         """End, by appending, a record whose dispatch write the journal refused; this broker sent
@@ -1651,7 +1688,7 @@ def _job_reference(response: UpstreamResponse) -> str | None:
         return None
     try:
         body = json.loads(response.body) if response.body else None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than the parser goes
         return None
     if isinstance(body, dict):
         for key in _JOB_KEYS:

@@ -19,6 +19,9 @@ from mitmproxy.net import encoding as mitm_encoding
 KNOWN = frozenset({"gzip", "x-gzip", "deflate", "zstd"})
 #: At most this many gzip members (each is a few bytes at least; many tiny ones cost time).
 MAX_MEMBERS = 1024
+#: At most this many codings stacked on one body: each is decoded, and encoded again after a
+#: redaction, in turn; real servers apply one (two when a proxy compresses again).
+MAX_CODINGS = 4
 _STEP = 64 * 1024
 
 
@@ -36,6 +39,8 @@ def codings_of(content_encoding: str | None) -> list[str]:
 
 def decode(body: bytes, codings: list[str], limit: int) -> bytes:
     """Undo ``codings`` (last applied first); raises :class:`Undecodable`."""
+    if len(codings) > MAX_CODINGS:
+        raise Undecodable(f"{len(codings)} codings stacked, more than the {MAX_CODINGS} the broker undoes")
     for coding in reversed(codings):
         if coding == "br":
             raise Undecodable("br cannot be decoded within a memory bound here")

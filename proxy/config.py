@@ -61,7 +61,7 @@ Duration = Annotated[float, BeforeValidator(parse_duration)]
 
 def parse_listen(value: str) -> tuple[str, int]:
     host, sep, port = str(value).rpartition(":")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         raise ValueError(f"{value!r} is not host:port, e.g. '127.0.0.1:8080'")
     return host.strip("[]"), int(port)
 

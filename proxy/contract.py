@@ -646,7 +646,7 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
     if value is None:
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # str.isdigit() is also true of '²', which float() refuses
         return float(value)
     try:
         when = parsedate_to_datetime(value)

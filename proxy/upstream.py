@@ -477,9 +477,11 @@ class _Connection(asyncio.Protocol):
         reading = self.reading
         assert reading is not None
         status = self.parser.get_status_code()
-        if status < 100:
-            # Not a status at all (RFC 9110 15: three digits, 1xx to 5xx): the answer is not HTTP.
-            # Taken for an interim one, the exchange would wait for a final one until it timed out.
+        if status < 100 or status > 599:
+            # Not an HTTP status (RFC 9110 15: 100 to 599; "600..999" are for other protocols'
+            # internal use): the answer is not HTTP. Taken for an interim one, the exchange would
+            # wait for a final one until it timed out; taken for a final one, neither an agent's
+            # client nor the side API's replay could carry it.
             raise ResponseBroken(f"the upstream answered with status {status:03d}, which is no HTTP status")
         if status < 200:
             # An interim response (100 Continue, 103 Early Hints): not the answer; llhttp ends

@@ -190,6 +190,18 @@ def test_br_is_not_asked_for_on_a_credential_route_and_a_br_body_is_withheld(bro
     assert upstream.received[-1].header("Accept-Encoding") == "br" and plain.json()["path"] == "/h/ok?encode=br"
 
 
+def test_a_body_under_more_codings_than_the_broker_undoes_is_withheld(broker: BrokerProcess, upstream: HostileUpstream):
+    """Each coding is decoded, and encoded again after a redaction, in turn: a body gzipped a
+    thousand times over would hold the event loop for seconds. Past four, it is not looked into."""
+    with broker.client() as client:
+        four = client.get(f"{PAYMENTS}/h/ok?encode=gzip*4")
+        with client.stream("GET", f"{PAYMENTS}/h/ok?encode=gzip*5") as r:
+            raw = b"".join(r.iter_raw())
+    assert four.status_code == 200 and b"[REDACTED]" in four.content, "four are looked through (httpx undoes them)"
+    assert (r.status_code, r.headers["affidavit-outcome"], raw) == (200, "committed", b"")
+    assert "5 codings stacked" in r.headers["affidavit-withheld"]
+
+
 def test_a_compressed_body_too_big_to_look_inside_is_withheld(broker: BrokerProcess, upstream: HostileUpstream):
     """64 MiB of zeros and then the echo, gzipped to 64 KiB: more than max_response_body once
     decoded, so the broker cannot tell whether the secret is in it. It keeps the status and the

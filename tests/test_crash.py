@@ -107,6 +107,26 @@ def test_kill_at_every_boundary_then_recover(make_broker, upstream, dialect, fai
     assert len([r for r in upstream.received if r.method]) <= 2
 
 
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_a_fault_of_the_broker_while_it_records_a_complete_answer_ends_the_record_unknown(make_broker, upstream, dialect):
+    """An exception of the broker's own before a complete answer is on the record (a bug in
+    reading its evidence, injected here) must not leave the record in flight for ever nor answer
+    without the invocation's id: it ends unknown, reconcile, and the agent is told with the id."""
+    broker = make_broker(dialect, routes=crash_routes(upstream), env={"AFFIDAVIT_FAILPOINTS": "after_response_complete=raise@1"})
+    response = post(broker, CRASH + "/h/status?code=201", "k_" + secrets.token_hex(6))
+    assert response.status_code == 502, response.text
+    body = check_envelope(response.content)
+    assert (body["error"]["code"], body["error"]["outcome"], body["error"]["retry"]) == ("REMOTE_OUTCOME_UNKNOWN", "unknown", "reconcile")
+    assert body["invocation_id"] == response.headers["affidavit-invocation-id"]
+    assert "answered completely (status 201), but the broker failed recording" in body["error"]["message"], body
+    record = broker.invocation(body["invocation_id"])
+    assert (record["stage"], record["outcome"], record["next_action"]) == ("ended_unknown", "unknown", "reconcile"), record
+    assert record["evidence"]["response_headers_received"] is True
+    assert "the upstream's complete answer (status 201) could not be recorded" in broker.logs()
+    assert upstream.effects == 1
+    assert post(broker, CRASH + "/h/status?code=201", "k_" + secrets.token_hex(6)).status_code == 201, "the next one is served"
+
+
 def test_an_unknown_outcome_after_a_crash_is_resent_with_the_same_key_under_a_contract(make_broker, upstream):
     broker = make_broker("postgresql", routes=crash_routes(upstream), env={"AFFIDAVIT_FAILPOINTS": "mid_response_headers=kill@1"})
     key = "crash_" + secrets.token_hex(6)

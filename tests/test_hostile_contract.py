@@ -127,6 +127,8 @@ def test_connection_setup_failures_are_not_attempted(broker, upstream, url, code
         # place may be anyone's truncation.
         ("/h/close_delimited?cut=1", "REMOTE_RESULT_INCOMPLETE", True),
         ("/h/continue_close", "REMOTE_OUTCOME_UNKNOWN", False),
+        # RFC 9110 15: a status is 100 to 599; neither an agent's client nor a replay could carry 999.
+        ("/h/status?code=999", "REMOTE_OUTCOME_UNKNOWN", False),
     ],
 )
 def test_broken_exchanges_after_dispatch_are_unknown(broker, upstream, path, code, headers_received):
@@ -249,6 +251,21 @@ def test_a_complete_final_response_is_the_result(broker, upstream, method, query
         replay = api.get(f"/v1/invocations/{record['invocation_id']}/result")
     assert replay.status_code == status and replay.content == response.content
     assert upstream.effects == 1
+
+
+@pytest.mark.parametrize("query", ["code=503&retry_after=%C2%B2", "code=202&nest=100000"])
+def test_evidence_the_broker_cannot_read_does_not_cost_the_result(broker, upstream, query):
+    """A Retry-After of a digit that is not ASCII ('²', which str.isdigit() takes), a 202 whose JSON
+    is nested past the parser's depth: the evidence is left out, the complete answer is the result."""
+    with broker.client() as client:
+        response = client.post(f"{H}/h/status?{query}", content=b"{}")
+    status = int(query.split("&")[0].split("=")[1])
+    assert response.status_code == status, response.text
+    record = record_of(broker, response.headers["affidavit-invocation-id"])
+    assert record["outcome"] == ("rejected" if status == 503 else "committed") and record["evidence"]["response_complete"] is True
+    assert "retry_after" not in record["evidence"] and "job_ref" not in record["evidence"]
+    with broker.api() as api:
+        assert api.get(f"/v1/invocations/{record['invocation_id']}/result").status_code == status
 
 
 def test_a_202_records_the_job_reference_and_is_not_done(broker, upstream):

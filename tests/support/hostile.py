@@ -179,6 +179,10 @@ def _encoded(body: bytes, coding: str) -> tuple[bytes, str]:
         return b"".join(parts) + c.compress(body) + c.flush(), "gzip"
     if coding == "gzip,br":
         return encoding.encode(encoding.encode(body, "gzip"), "br"), "gzip, br"
+    if coding.startswith("gzip*"):  # gzip applied N times over, each declared
+        for _ in range(int(coding[5:])):
+            body = encoding.encode(body, "gzip")
+        return body, ", ".join(["gzip"] * int(coding[5:]))
     return encoding.encode(body, coding), coding
 
 
@@ -591,7 +595,8 @@ class HostileUpstream:
     async def _b_status(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
         """Effect, then a complete ``?code=`` (200) response; ``?retry_after=``, ``?location=``, ``?job=``,
         ``?header=Name:Value`` for any extra response header, ``?hop=Name`` for a header ``Name``
-        that the response's ``Connection`` header names (an option of that hop only)."""
+        that the response's ``Connection`` header names (an option of that hop only), ``?nest=N``
+        for a body of N ``[`` (JSON nested past any parser's depth)."""
         code = int(q.get("code", "200"))
         n = self._apply(entry)
         headers = [(h, q[p]) for p, h in (("retry_after", "Retry-After"), ("location", "Location")) if p in q]
@@ -601,6 +606,8 @@ class HostileUpstream:
         if "hop" in q:
             headers += [("Connection", q["hop"]), (q["hop"], "this hop only")]
         body = _json({"job_id": q["job"], "status": "pending"} if "job" in q else {"status": code, "effects": n})
+        if "nest" in q:  # a JSON document nested ?nest= levels deep, never closed
+            body = b"[" * int(q["nest"])
         return await self._send(conn, entry, code, b"" if code in (204, 304) else body, headers)
 
     async def _b_big(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
