@@ -149,7 +149,8 @@ def redact(data: bytes, needles: list[bytes]) -> tuple[bytes, bool]:
 #: Bytes the encodings an echo may go through leave as they are (``~`` is not one: PHP's
 #: urlencode and Java's URLEncoder write it ``%7E``).
 _PLAIN = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.")
-#: HTML's named references; numeric ones (``&#43;``, ``&#x2B;``, ``&#039;``) are matched for every character.
+#: HTML's named references; numeric ones (``&#43;``, ``&#x2B;``, ``&#039;``) are matched for every
+#: character an encoder changes (not for letters, digits and ``-_.``, which no encoder spells so).
 _HTML = {'"': (b"&quot;",), "&": (b"&amp;",), "'": (b"&apos;",), "<": (b"&lt;",), ">": (b"&gt;",)}
 
 
