@@ -208,7 +208,7 @@ async def serve(
     )
 
     listen_host, listen_port = parse_listen(settings.proxy.listen)
-    settings.proxy.confdir.mkdir(parents=True, exist_ok=True)
+    prepare_ca(settings)
     opts = options.Options(listen_host=listen_host, listen_port=listen_port, confdir=str(settings.proxy.confdir))
     ready = asyncio.Event()
     largest = max([int(r.max_body) for r in settings.routes if r.max_body is not None] + [int(settings.proxy.max_body)])
@@ -289,6 +289,35 @@ async def serve(
 
 class StartupError(Exception):
     """The broker cannot serve (a port is taken...); the message says which setting and why."""
+
+
+def prepare_ca(settings: Settings) -> None:
+    """The interception CA in ``proxy.confdir``: created on the first start, and read on every
+    start before anything listens. mitmproxy reads it only once it runs, and a key it cannot read
+    there is one log line while the broker answers ready and fails every HTTPS request. Writes the
+    certificate agents trust when only the key is there (a Secret mounted with one file)."""
+    from mitmproxy.certs import CertStore
+
+    confdir = settings.proxy.confdir
+    key = confdir / "mitmproxy-ca.pem"
+    try:
+        confdir.mkdir(parents=True, exist_ok=True)
+        store = CertStore.from_store(confdir, "mitmproxy", 2048)
+    except Exception as exc:  # OSError, or the key's bytes (ValueError, TypeError) from cryptography
+        what = "read" if key.exists() else "created"
+        raise StartupError(
+            f"proxy.confdir {confdir}: the interception CA ({key.name}) could not be {what}: "
+            f"{getattr(exc, 'strerror', None) or exc}. Nothing was started. Fix the file or the directory; "
+            f"without {key.name} a new CA is created, which agents must then trust instead."
+        ) from None
+    cert = confdir / CA_FILE
+    if not cert.exists():
+        try:
+            cert.write_bytes(store.default_ca.to_pem())
+        except OSError as exc:
+            log.warning("proxy.confdir %s holds the CA's key but not %s, the certificate agents must trust, and it "
+                        "could not be written (%s): give agents the certificate from wherever the key came from",
+                        confdir, CA_FILE, exc.strerror or exc)
 
 
 def listen_socket(listen: str, key: str, *, shared: bool = False) -> socket.socket:

@@ -82,13 +82,6 @@ def ports_free(settings: Settings) -> str | None:
     return None
 
 
-def ensure_ca(settings: Settings) -> None:
-    """Create the interception CA before the workers start, so they all load the same one."""
-    from mitmproxy.certs import CertStore
-
-    CertStore.from_store(settings.proxy.confdir, "mitmproxy", 2048)
-
-
 def worker_argv(config: Path | None, index: int) -> list[str]:
     optimize = ["-O"] if sys.flags.optimize else []
     return [sys.executable, *optimize, "-m", "proxy", "run", *(["--config", str(config)] if config else []),
@@ -97,14 +90,17 @@ def worker_argv(config: Path | None, index: int) -> list[str]:
 
 def supervise(settings: Settings, config: Path | None, workers: int, announce=print) -> int:
     """Run ``workers`` broker processes until a signal; the exit status of the whole broker."""
-    from .app import banner
+    from .app import StartupError, banner, prepare_ca
 
     problem = ports_free(settings)
     if problem is not None:
         print(f"affidavit: cannot start: {problem}", file=sys.stderr)
         return 1
-    settings.proxy.confdir.mkdir(parents=True, exist_ok=True)
-    ensure_ca(settings)
+    try:
+        prepare_ca(settings)  # before the workers start, so they all load the same one
+    except StartupError as exc:
+        print(f"affidavit: cannot start: {exc}", file=sys.stderr)
+        return 1
     metrics_dir = tempfile.mkdtemp(prefix="affidavit-metrics-")
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir, "AFFIDAVIT_SUPERVISOR_PID": str(os.getpid())}
     pool = [Worker(i, worker_argv(config, i), env) for i in range(workers)]

@@ -517,6 +517,38 @@ def test_db_upgrade_and_run_refuse_a_sqlite_schema_a_newer_broker_made(tmp_path)
         assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [("9999",)]
 
 
+@pytest.mark.parametrize("workers", [[], ["--workers", "2"]])
+def test_a_ca_key_that_cannot_be_read_stops_the_start_naming_confdir(tmp_path, workers):
+    """mitmproxy reads the CA only once it runs, and only logs what it cannot read: the broker
+    would answer ready and fail every HTTPS request. It is read before anything listens."""
+    confdir = tmp_path / "ca"
+    confdir.mkdir()
+    (confdir / "mitmproxy-ca.pem").write_text("garbage")
+    path = write(tmp_path, good(tmp_path).replace("[proxy]\n", f'[proxy]\nconfdir = "{confdir}"\n', 1))
+    env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")},
+           "BUILDER_TOKEN": "t" * 16, "PAYMENTS_KEY": "k"}
+    done = subprocess.run([AFFIDAVIT, "run", "-c", str(path), *workers], capture_output=True, text=True, timeout=90,
+                          cwd=tmp_path, env=env)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"cannot start: proxy.confdir {confdir}: the interception CA (mitmproxy-ca.pem) could not be read" in done.stderr
+    assert "Traceback" not in done.stderr and "listening" not in done.stdout, (done.stdout, done.stderr[-2000:])
+
+
+def test_a_confdir_with_the_ca_key_alone_gets_the_certificate_agents_trust(tmp_path):
+    from mitmproxy.certs import CertStore
+
+    from proxy.app import prepare_ca
+
+    confdir = tmp_path / "ca"
+    CertStore.create_store(confdir, "mitmproxy", 2048)
+    expected = (confdir / "mitmproxy-ca-cert.pem").read_bytes()
+    for name in ("mitmproxy-ca-cert.pem", "mitmproxy-ca-cert.cer", "mitmproxy-ca-cert.p12", "mitmproxy-ca.p12"):
+        (confdir / name).unlink()
+    settings = load_settings(write(tmp_path, good(tmp_path).replace("[proxy]\n", f'[proxy]\nconfdir = "{confdir}"\n', 1)))
+    prepare_ca(settings)
+    assert (confdir / "mitmproxy-ca-cert.pem").read_bytes() == expected, "the key's own certificate, not a new CA"
+
+
 def test_a_missing_ca_bundle_and_a_doubled_key_id_are_named_once(tmp_path, monkeypatch):
     env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")},
            "AFFIDAVIT_UPSTREAM__CA_BUNDLE": str(tmp_path / "nowhere.pem")}
