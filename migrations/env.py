@@ -9,6 +9,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import proxy.store.vault_schema  # noqa: F401  (its tables share the metadata)
+from proxy.store.migrate import connect_args
 from proxy.store.schema import metadata
 
 config = context.config
@@ -26,7 +27,8 @@ def _run(connection: Connection) -> None:
 
 
 async def _online() -> None:
-    engine = create_async_engine(config.get_main_option("sqlalchemy.url"))
+    url = config.get_main_option("sqlalchemy.url")
+    engine = create_async_engine(url, connect_args=connect_args(url))
     try:
         async with engine.connect() as connection:
             await connection.run_sync(_run)

@@ -63,10 +63,11 @@ from typing import Any
 
 from sqlalchemy import inspect, select
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from .store.journal import GENESIS, brief, canonical_time, chain_hash
+from .store.migrate import connect_args
 from .store.schema import events
 from .store.vault_schema import (
     CHECKPOINT_EVERY_EVENTS,
@@ -381,7 +382,13 @@ async def load_database(url: str) -> tuple[list[dict[str, Any]], list[dict[str, 
 
     Raises :class:`AuditInputError` when the database cannot be read at all.
     """
-    where = make_url(url).render_as_string(hide_password=True)
+    if not url.startswith(("sqlite+aiosqlite://", "postgresql+asyncpg://")):
+        raise AuditInputError("--database must be a URL the broker uses, 'sqlite+aiosqlite:///path.db' or "
+                              "'postgresql+asyncpg://user@host/db' (as database.url in its configuration)")
+    try:
+        where = make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        raise AuditInputError("--database could not be read as a database URL") from None
     database = make_url(url).database
     if url.startswith("sqlite") and database not in (None, "", ":memory:") and not Path(database).is_file():
         raise AuditInputError(f"{where}: no such database file")  # connecting would create an empty one
@@ -392,7 +399,7 @@ async def load_database(url: str) -> tuple[list[dict[str, Any]], list[dict[str, 
 
 
 async def _read(url: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    engine = create_async_engine(url)
+    engine = create_async_engine(url, connect_args=connect_args(url))
     try:
         async with engine.connect() as conn:
             tables = await conn.run_sync(lambda c: set(inspect(c).get_table_names()))

@@ -8,6 +8,7 @@ TRIGGER USER``; SQLite: ``DROP TRIGGER``), then changes rows directly.
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 import os
 import sqlite3
@@ -553,3 +554,28 @@ def test_a_file_that_is_not_an_export_is_an_input_error_not_a_verdict(tmp_path):
     missing = CliRunner().invoke(audit_app, ["verify", "--database", f"sqlite+aiosqlite:///{tmp_path / 'nothing.db'}"])
     assert missing.exit_code == 2 and "no such database file" in missing.output
     assert not (tmp_path / "nothing.db").exists(), "verifying must not create a database"
+    # A URL the broker would not take (no async driver named, or no URL at all) is a typo, not a broken chain.
+    for url in ("postgresql://postgres@127.0.0.1:5432/x", "garbage", f"sqlite:///{tmp_path / 'j.db'}"):
+        for command in (["verify", "--database", url], ["export", "--out", str(tmp_path / "x.jsonl"), "--database", url]):
+            typo = CliRunner().invoke(audit_app, command)
+            assert typo.exit_code == 2 and "--database must be a URL the broker uses" in typo.output, (command, typo.output)
+
+
+def test_a_database_that_accepts_but_never_answers_is_given_up_on_in_seconds(tmp_path):
+    """asyncpg would wait a minute, in silence, on a server that takes the connection and says
+    nothing; the commands that run beside the broker give up after migrate.CONNECT_TIMEOUT."""
+    import socket
+
+    from proxy.store import migrate
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        url = f"postgresql+asyncpg://postgres@127.0.0.1:{listener.getsockname()[1]}/x"
+        started = time.monotonic()
+        with pytest.raises(Exception):
+            migrate.current(url)
+        with pytest.raises(audit.AuditInputError, match="could not be read"):
+            asyncio.run(audit.load_database(url))
+        assert time.monotonic() - started < 2 * migrate.CONNECT_TIMEOUT + 10
+    finally:
+        listener.close()

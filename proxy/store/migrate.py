@@ -29,21 +29,36 @@ def upgrade(url: str, revision: str = "head") -> None:
     command.upgrade(_config(url), revision)
 
 
+#: How long the commands that run outside the broker (migrations, `audit`) wait for PostgreSQL
+#: to accept a connection; asyncpg's own default is a minute, spent in silence.
+CONNECT_TIMEOUT = 10.0
+
+
+def connect_args(url: str) -> dict[str, float]:
+    """The driver's arguments for a connection that gives up on a server that does not answer.
+    Only the connection is bounded: a migration or an export may take longer than that."""
+    return {"timeout": CONNECT_TIMEOUT} if url.startswith("postgresql") else {}
+
+
 def current(url: str) -> str | None:
-    """The revision the database is at, or None for an empty database."""
+    """The revision the database is at, or None for a database without the version table."""
     import asyncio
 
     from sqlalchemy import text
     from sqlalchemy.ext.asyncio import create_async_engine
 
+    from .queries import schema_missing
+
     async def read() -> str | None:
-        engine = create_async_engine(url)
+        engine = create_async_engine(url, connect_args=connect_args(url))
         try:
             async with engine.connect() as conn:
                 try:
                     return (await conn.execute(text("SELECT version_num FROM alembic_version"))).scalar()
-                except Exception:
-                    return None
+                except Exception as exc:
+                    if schema_missing(exc):
+                        return None
+                    raise  # permission denied, say: not "no schema", which an upgrade would act on
         finally:
             await engine.dispose()
 
