@@ -104,12 +104,16 @@ def _store(ctx: typer.Context, config: Path | None, name: str, verb: str) -> Non
     except ValueError as exc:
         _fail(f"{exc}; nothing was stored", 2)
     settings = settings_or_exit(config)
-    value = _read_value()
     try:
+        # Everything that can refuse before the value is asked for (typed twice, or piped in).
         ring = KeyRing.from_settings(settings.crypto)
+        vault.check_unlocked(ring, name)
         # The schema as `affidavit run` would have it: a new SQLite journal is created and
         # upgraded (the vault lives in it); PostgreSQL must have been upgraded already.
         prepare_database(settings, nothing="Nothing was stored", then="run the command again")
+        if verb == "rotate" and _with_engine(settings.database.url, lambda engine: vault.latest_version(engine, name)) is None:
+            raise vault.nothing_to_rotate(name)
+        value = _read_value()
         store = vault.rotate if verb == "rotate" else vault.put
         version = _with_engine(settings.database.url, lambda engine: store(engine, ring, name, value))
     except ConfigError as exc:

@@ -51,6 +51,19 @@ def check_name(name: str) -> None:
         raise ValueError("a secret name is 1-100 characters of letters, digits, '_', '.' or '-'")
 
 
+def check_unlocked(ring: KeyRing, name: str) -> None:
+    """Refuse (VAULT_LOCKED) to store ``name`` without a key to encrypt it."""
+    if not ring.enabled:
+        raise _locked(f"secret '{name}'")
+
+
+def nothing_to_rotate(name: str) -> CredentialUnavailable:
+    return CredentialUnavailable(
+        Code.CREDENTIAL_MISSING,
+        f"secret '{name}' is not in the vault, so there is nothing to rotate; store it first with `affidavit secrets set {name}`",
+    )
+
+
 def _locked(what: str) -> CredentialUnavailable:
     return CredentialUnavailable(
         Code.VAULT_LOCKED,
@@ -71,8 +84,7 @@ async def rotate(engine: AsyncEngine, ring: KeyRing, name: str, value: str) -> s
 
 async def _store(engine: AsyncEngine, ring: KeyRing, name: str, value: str, *, must_exist: bool) -> str:
     check_name(name)
-    if not ring.enabled:
-        raise _locked(f"secret '{name}'")
+    check_unlocked(ring, name)
     if not value:
         raise ValueError("an empty value cannot be stored")
     v = vault_secrets.c
@@ -81,11 +93,7 @@ async def _store(engine: AsyncEngine, ring: KeyRing, name: str, value: str, *, m
             async with engine.begin() as conn:
                 current = (await conn.execute(select(func.max(v.version)).where(v.name == name))).scalar()
                 if current is None and must_exist:
-                    raise CredentialUnavailable(
-                        Code.CREDENTIAL_MISSING,
-                        f"secret '{name}' is not in the vault, so there is nothing to rotate; "
-                        f"store it first with `affidavit secrets set {name}`",
-                    )
+                    raise nothing_to_rotate(name)
                 version = (current or 0) + 1
                 key_id, blob = ring.encrypt(value.encode(), vault_aad(name, version))
                 await conn.execute(

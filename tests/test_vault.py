@@ -363,6 +363,22 @@ def test_an_invalid_secret_name_is_a_usage_error_before_any_value_is_read(tmp_pa
     assert not (workdir / "journal.db").exists()
 
 
+@pytest.mark.parametrize(("verb", "keys", "key", "status", "said"), [
+    ("set", False, None, 1, "VAULT_LOCKED"),  # no [crypto] keys
+    ("set", True, "not base64!", 2, "k1"),  # a key that cannot be used
+    ("rotate", True, None, 1, "CREDENTIAL_MISSING"),  # nothing of that name to rotate
+])
+def test_secrets_set_and_rotate_refuse_before_asking_for_the_value(tmp_path: Path, verb, keys, key, status, said):
+    """In a terminal the value is typed twice: not for a store that was going to be refused."""
+    workdir = tmp_path / "early"
+    workdir.mkdir()
+    config = write_config(workdir, f"sqlite+aiosqlite:///{workdir / 'journal.db'}", keys=keys)
+    env = cli_env(key if key is not None else generate_key())
+    argv = [sys.executable, "-c", RUNNER.format(app="secrets_app"), verb, "payments-key", "-c", str(config)]
+    output, exit_status = in_terminal(argv, cwd=workdir, env=env, answers=[], timeout=30)
+    assert exit_status == status and said in output and "Value" not in output, output
+
+
 def test_secrets_set_with_the_database_down_says_nothing_was_stored_and_to_run_it_again(tmp_path: Path):
     """The broker's start-up words ("Nothing was started ... start again") are not this command's."""
     from tests.support.broker import free_port
