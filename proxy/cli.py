@@ -132,7 +132,8 @@ def ca(config: ConfigOption = None, pem: Annotated[bool, typer.Option(help="Prin
         typer.echo(f"affidavit: no CA at {path}: the first `affidavit run` with this configuration creates it. {where}", err=True)
         raise typer.Exit(1)
     if pem:
-        typer.echo(path.read_text(), nl=False)  # the file as it is: it ends in its own newline
+        sys.stdout.buffer.write(path.read_bytes())  # the file as it is, byte for byte
+        sys.stdout.flush()
     else:
         typer.echo(str(path))
 

@@ -90,18 +90,18 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
     except Exception as exc:
         if isinstance(exc, typer.Exit):
             raise
+        from .app import redact_url
         from .store.journal import brief
 
+        where = f"database.url is {redact_url(settings.database.url)}"
         if queries.schema_missing(exc):
-            advice = ("this database has no journal schema, or an older one: run `affidavit db upgrade` with this "
+            advice = (f"{where}, which has no journal schema, or an older one: run `affidavit db upgrade` with this "
                       "configuration (or start the broker with database.auto_upgrade = true)")
         elif queries.unreachable(exc):
-            from .app import redact_url
-
-            advice = (f"database.url is {redact_url(settings.database.url)}: {queries.what_to_check(exc)}, "
-                      "then run the command again")
+            advice = f"{where}: {queries.what_to_check(exc)}, then run the command again"
         else:
-            advice = "see the error above; nothing was changed"
+            advice = (f"{where}: check that it names the broker's journal (a SQLite file the broker made, or its "
+                      "PostgreSQL database); nothing was changed")
         typer.echo(f"affidavit: the journal could not be read ({exc.__class__.__name__}: {brief(exc)}); {advice}",
                    err=True)
         raise typer.Exit(1) from None

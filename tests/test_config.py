@@ -373,15 +373,15 @@ def test_ca_and_env_print_the_ca_path_as_configured_not_through_its_symlinks(tmp
     timestamped directory the kubelet replaces at every update. Agents must be given the stable path."""
     mount = tmp_path / "ca"
     (mount / "..2026_01_01_00_00_00.000").mkdir(parents=True)
-    (mount / "..2026_01_01_00_00_00.000" / "mitmproxy-ca-cert.pem").write_text("PEM\n")
+    (mount / "..2026_01_01_00_00_00.000" / "mitmproxy-ca-cert.pem").write_bytes(b"PEM\r\n\xff")
     (mount / "..data").symlink_to("..2026_01_01_00_00_00.000")
     (mount / "mitmproxy-ca-cert.pem").symlink_to("..data/mitmproxy-ca-cert.pem")
     path = write(tmp_path, good(tmp_path).replace("[proxy]\n", f'[proxy]\nconfdir = "{mount}"\n', 1))
     expected = str(mount / "mitmproxy-ca-cert.pem")
     done = subprocess.run([AFFIDAVIT, "ca", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.strip() == expected, done
-    done = subprocess.run([AFFIDAVIT, "ca", "--pem", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert done.returncode == 0 and done.stdout == "PEM\n", "the file as it is, no blank line after it"
+    done = subprocess.run([AFFIDAVIT, "ca", "--pem", "--config", str(path)], capture_output=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout == b"PEM\r\n\xff", "the file as it is, byte for byte"
     done = subprocess.run([AFFIDAVIT, "env", "--config", str(path), "--token", "t"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 0 and f'export SSL_CERT_FILE="{expected}"' in done.stdout, done
 
@@ -445,6 +445,16 @@ def test_a_read_command_that_cannot_reach_the_journal_names_the_url_and_what_to_
     assert done.returncode == 1, done.stderr
     assert f"database.url is {url.render_as_string(hide_password=True)}: {check}" in done.stderr, done.stderr
     assert "then run the command again" in done.stderr and "s3cret-pw" not in done.stderr, done.stderr
+
+
+def test_a_read_command_on_a_file_that_is_no_journal_names_it(tmp_path):
+    (tmp_path / "notadb.db").write_text("[proxy]\nlisten = 1\n" * 100)
+    env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")},
+           "AFFIDAVIT_DATABASE__URL": f"sqlite+aiosqlite:///{tmp_path / 'notadb.db'}"}
+    done = subprocess.run([AFFIDAVIT, "invocations", "list"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 1, done.stderr
+    assert f"database.url is sqlite+aiosqlite:///{tmp_path / 'notadb.db'}: check that it names the broker's journal" in done.stderr
+    assert "see the error above" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 def test_an_environment_variable_for_a_section_that_does_not_exist_is_refused(tmp_path):
