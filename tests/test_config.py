@@ -125,12 +125,17 @@ def test_a_bad_environment_variable_is_named_and_not_blamed_on_a_good_file(tmp_p
     assert "affidavit.toml" not in done.stderr, done.stderr
 
 
+def refusal_of(path: Path) -> str:
+    """What loading the configuration at ``path`` (with the environment as it is) refuses with."""
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path)
+    return str(caught.value)
+
+
 def test_problems_in_the_file_and_the_environment_each_name_their_own_source(tmp_path, monkeypatch):
     path = write(tmp_path, good(tmp_path).replace("[proxy]\n", "[proxy]\nworkers = 0\n", 1))
     monkeypatch.setenv("AFFIDAVIT_PROXY__EVENT_LOOP", "libuv")
-    with pytest.raises(ConfigError) as caught:
-        load_settings(path)
-    message = str(caught.value)
+    message = refusal_of(path)
     assert message.startswith(f"{path} and environment: invalid configuration (2 problem(s))"), message
     assert f"  proxy.workers (from {path}): Input should be greater than or equal to 1" in message, message
     assert "  proxy.event_loop (from AFFIDAVIT_PROXY__EVENT_LOOP): Input should be 'uvloop' or 'asyncio'" in message, message
@@ -140,9 +145,7 @@ def test_a_section_set_as_json_is_not_blamed_for_a_key_it_does_not_set(tmp_path,
     """AFFIDAVIT_PROXY='{...}' is merged with the file's [proxy]: a bad key the JSON does not hold is the file's."""
     path = write(tmp_path, good(tmp_path).replace("[proxy]\n", "[proxy]\nworkers = 0\n", 1))
     monkeypatch.setenv("AFFIDAVIT_PROXY", '{"event_loop": "asyncio"}')
-    with pytest.raises(ConfigError) as caught:
-        load_settings(path)
-    message = str(caught.value)
+    message = refusal_of(path)
     assert message.startswith(f"{path}: invalid configuration (1 problem(s))"), message
     assert "  proxy.workers: Input should be greater than or equal to 1" in message and "AFFIDAVIT_PROXY" not in message
 
@@ -150,9 +153,7 @@ def test_a_section_set_as_json_is_not_blamed_for_a_key_it_does_not_set(tmp_path,
 def test_a_check_across_sections_of_the_file_alone_is_the_files_whatever_else_the_environment_sets(tmp_path, monkeypatch):
     path = write(tmp_path, good(tmp_path).replace('agents = ["builder"]', 'agents = ["nobody"]', 1))
     monkeypatch.setenv("AFFIDAVIT_PROXY__EVENT_LOOP", "asyncio")
-    with pytest.raises(ConfigError) as caught:
-        load_settings(path)
-    message = str(caught.value)
+    message = refusal_of(path)
     assert message.startswith(f"{path}: invalid configuration (1 problem(s))"), message
     assert "  (top level): routes[0].agents: no agent named 'nobody'" in message, message
     monkeypatch.setenv("AFFIDAVIT_AGENTS", '[{"name": "builder", "token": "env:BUILDER_TOKEN"}]')
