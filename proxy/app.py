@@ -175,6 +175,8 @@ async def serve(
     """Serve until stopped. ``worker``: this process is worker ``worker`` of ``affidavit run
     --workers N`` (proxy/workers.py): it shares the listen ports with its siblings."""
     log.info("event loop: %s (%s)", settings.proxy.event_loop, type(asyncio.get_running_loop()).__name__)
+    if (clash := listens_clash(settings)) is not None:
+        raise StartupError(clash)
     api_socket = listen_socket(settings.api.listen, "api.listen", shared=worker is not None)
     # Unique among live brokers: a host name and the port this process holds (two processes
     # cannot hold one port, so a restarted broker knows its earlier incarnations are dead). A
@@ -338,6 +340,16 @@ def listen_socket(listen: str, key: str, *, shared: bool = False) -> socket.sock
         raise StartupError(cannot_listen(key, listen, exc)) from None
     sock.setblocking(False)
     return sock
+
+
+def listens_clash(settings: Settings) -> str | None:
+    """Why the proxy and the side API would ask for one port, or None. Each would find it taken
+    by the other, which the socket's error blames on another broker."""
+    (proxy_host, proxy_port), (api_host, api_port) = parse_listen(settings.proxy.listen), parse_listen(settings.api.listen)
+    if proxy_port != api_port or (proxy_host != api_host and not {proxy_host, api_host} & {"0.0.0.0", "::", "*", ""}):
+        return None
+    return (f"proxy.listen ({settings.proxy.listen}) and api.listen ({settings.api.listen}) ask for the same port: the "
+            "proxy and the side API each need one of their own; change one of them")
 
 
 _LISTEN_HINTS = {

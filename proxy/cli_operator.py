@@ -12,6 +12,7 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, Awaitable, Callable, Optional, TypeVar
+from urllib.parse import quote
 
 import typer
 from rich import box
@@ -318,6 +319,10 @@ def call_api(settings: Settings, method: str, path: str, body: Any = None) -> An
         raise typer.Exit(1) from None
     if status >= 400:
         detail = answer.get("detail") if isinstance(answer, dict) else answer
+        if status == 401:
+            detail = (f"{detail} This command read the operator token from api.operator_token "
+                      f"({settings.api.operator_token}); a broker reads its tokens when it starts, so after a change of "
+                      "the token restart the broker, or give this command the source the broker was started with.")
         typer.echo(f"affidavit: {status}: {detail}", err=True)
         raise typer.Exit(1)
     return answer
@@ -363,7 +368,7 @@ def approvals_list(
 
 def _decide(config: Path | None, invocation_id: str, decision: str, note: str | None) -> None:
     settings = settings_or_exit(config)
-    record = call_api(settings, "POST", f"/v1/approvals/{invocation_id}", {"decision": decision, "note": note})
+    record = call_api(settings, "POST", f"/v1/approvals/{quote(invocation_id, safe='')}", {"decision": decision, "note": note})
     done = {"approve": "approved", "deny": "denied"}[decision]
     typer.echo(f"{invocation_id}: {done} (stage {record['stage']}, outcome {record['outcome']})")
 
@@ -406,7 +411,7 @@ def reconcile(
     body = {"outcome": outcome, "reference": reference, "note": note, "lookup": lookup}
     if override:  # only when asked: a broker from before the field refuses unknown fields
         body["override"] = True
-    record = call_api(settings, "POST", f"/v1/invocations/{invocation_id}/reconcile", body)
+    record = call_api(settings, "POST", f"/v1/invocations/{quote(invocation_id, safe='')}/reconcile", body)
     found = record.get("lookup")
     if found:
         typer.echo(f"lookup {found['lookup_invocation_id']} answered {found['status']}: {found['finding']}")

@@ -71,6 +71,10 @@ class Worker:
 def ports_free(settings: Settings) -> str | None:
     """Why the broker's ports cannot be taken, or None. Bound without ``SO_REUSEPORT``, so a
     port held by anything (another broker with workers included) is found."""
+    from .app import listens_clash
+
+    if (clash := listens_clash(settings)) is not None:
+        return clash
     for key, listen in (("proxy.listen", settings.proxy.listen), ("api.listen", settings.api.listen)):
         host, port = parse_listen(listen)
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:

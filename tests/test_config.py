@@ -560,6 +560,18 @@ def test_a_confdir_with_the_ca_key_alone_gets_the_certificate_agents_trust(tmp_p
     assert (confdir / "mitmproxy-ca-cert.pem").read_bytes() == expected, "the key's own certificate, not a new CA"
 
 
+@pytest.mark.parametrize("workers", [[], ["--workers", "2"]])
+def test_the_proxy_and_the_side_api_on_one_port_is_said_so_not_blamed_on_another_broker(tmp_path, workers):
+    port = free_port()
+    env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")},
+           "AFFIDAVIT_PROXY__LISTEN": f"127.0.0.1:{port}", "AFFIDAVIT_API__LISTEN": f"0.0.0.0:{port}",
+           "AFFIDAVIT_DATABASE__URL": f"sqlite+aiosqlite:///{tmp_path / 'j.db'}"}
+    done = subprocess.run([AFFIDAVIT, "run", *workers], capture_output=True, text=True, timeout=90, cwd=tmp_path, env=env)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"cannot start: proxy.listen (127.0.0.1:{port}) and api.listen (0.0.0.0:{port}) ask for the same port" in done.stderr
+    assert "another broker" not in done.stderr, done.stderr
+
+
 def test_a_missing_ca_bundle_and_a_doubled_key_id_are_named_once(tmp_path, monkeypatch):
     env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")},
            "AFFIDAVIT_UPSTREAM__CA_BUNDLE": str(tmp_path / "nowhere.pem")}

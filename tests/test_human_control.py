@@ -143,6 +143,15 @@ def test_the_cli_refuses_a_finding_that_is_none_before_it_asks_the_broker(broker
         for before in ("", "garbage", "act_nope"):
             answer = api.get("/v1/invocations", params={"before": before})
             assert answer.status_code == 422, (before, answer.text)
+    # A token the running broker does not know: say where it was read and that brokers read tokens at start.
+    wrong = broker.command("approvals", "list", env={"AFFIDAVIT_TEST_OPERATOR": "not-the-one"})
+    said = wrong.stderr.decode()
+    assert wrong.returncode == 1 and "401" in said and "api.operator_token (env:AFFIDAVIT_TEST_OPERATOR)" in said, said
+    assert "restart the broker" in said and "not-the-one" not in said, said
+    # An id is sent as one path segment, whatever it holds: not cut at a '?' into another id.
+    for args in (["approvals", "approve", "act_x?y"], ["reconcile", "act_x?y", "--outcome", "rejected"]):
+        done = broker.command(*args)
+        assert done.returncode == 1 and "act_x?y" in done.stderr.decode(), (args, done.stderr.decode())
 
 
 def test_a_finding_against_a_complete_response_is_refused_unless_it_says_override(broker, upstream):
