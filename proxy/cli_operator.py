@@ -319,6 +319,12 @@ def call_api(settings: Settings, method: str, path: str, body: Any = None) -> An
         raise typer.Exit(1) from None
     if status >= 400:
         detail = answer.get("detail") if isinstance(answer, dict) else answer
+        if isinstance(detail, list):  # a 422's problems, one per field: never their input (a long note, say)
+            detail = "; ".join(
+                f"{'.'.join(str(part) for part in item.get('loc', [])[1:]) or 'the request'}: {item.get('msg', item)}"
+                if isinstance(item, dict) else str(item)
+                for item in detail
+            )
         if status == 401:
             detail = (f"{detail} This command read the operator token from api.operator_token "
                       f"({settings.api.operator_token}); a broker reads its tokens when it starts, so after a change of "

@@ -148,6 +148,10 @@ def test_the_cli_refuses_a_finding_that_is_none_before_it_asks_the_broker(broker
     said = wrong.stderr.decode()
     assert wrong.returncode == 1 and "401" in said and "api.operator_token (env:AFFIDAVIT_TEST_OPERATOR)" in said, said
     assert "restart the broker" in said and "not-the-one" not in said, said
+    # A 422 names the field and the rule, not the whole input back.
+    long = broker.command("reconcile", "act_01M8TRTD8RSQZTD7JJN9HZ5237", "--outcome", "rejected", "--note", "n" * 2001)
+    said = long.stderr.decode()
+    assert long.returncode == 1 and "422: note: String should have at most 2000 characters" in said and "nnnn" not in said, said
     # An id is sent as one path segment, whatever it holds: not cut at a '?' into another id.
     for args in (["approvals", "approve", "act_x?y"], ["reconcile", "act_x?y", "--outcome", "rejected"]):
         done = broker.command(*args)
