@@ -63,7 +63,7 @@ from .credentials import (
 from .envelope import MEDIA_TYPE, encode, envelope, status_for
 from .fingerprint import approval_fingerprint, body_sha256, config_digest, fingerprint, normalized_target
 from .invocation_log import Identity, InvocationLog, aware as _aware, identity_of, new_invocation_id, utcnow
-from .routing import Refusal, fully_decoded, match_route
+from .routing import Refusal, hides_a_dot_segment, match_route
 from .failpoints import failpoint
 from .invocation_view import operation_of, retention_open
 from .recovery import closing_events
@@ -1403,20 +1403,16 @@ _SPLITTER = re.compile("[\0-\x08\n-\x1f\x7f]")
 #: ``"``, ...) are let through: common clients send them as they are and servers accept them.
 _NOT_IN_A_TARGET = re.compile("[^!-~]|#")
 
-#: A path segment's name: what comes before parameters (``..;x``, which servlet containers read as
-#: ``..``) or a NUL (where C servers stop reading).
-_SEGMENT_NAME = re.compile("[^;\0]*")
-
-
 def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
     """Why the request cannot be checked against the routes or sent as it is, or None.
 
     * A line break or NUL in a header, or in the request target anything but visible ASCII
       (``#`` included), would split or change the request written upstream.
-    * A ``.`` or ``..`` path segment (also percent-encoded, once or more, also behind an encoded
-      slash or backslash, also with parameters ``..;x`` or an encoded NUL after it) is resolved by
-      many upstreams (RFC 3986 section 5.2.4) to a path the route's ``path`` glob never saw:
-      ``/allowed/../admin`` would carry the route's credential to ``/admin``.
+    * A ``.`` or ``..`` path segment (also percent-encoded, once or more, in another form a
+      server reads as a dot, behind an encoded slash or backslash, with parameters ``..;x``, an
+      encoded NUL or trailing spaces after it: :func:`proxy.routing.hides_a_dot_segment`) is
+      resolved by many upstreams (RFC 3986 section 5.2.4) to a path the route's ``path`` glob
+      never saw: ``/allowed/../admin`` would carry the route's credential to ``/admin``.
     * An idempotency key must be one visible-ASCII value (a structured-field string): a second,
       different key, or bytes that are not text, would bind the operation to something the agent
       did not mean.
@@ -1437,15 +1433,17 @@ def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
         return (f"The request path {shown(path)!r} is percent-encoded three times or more over ('%2525'), which "
                 "upstreams read in as many ways as they decode it. Nothing was sent and no secret was touched. "
                 "Encode the path once.")
-    # Only a path with a dot at a segment's start, or an encoded dot, slash, backslash or percent
-    # sign, can hold a dot-segment: the common path is not taken apart.
+    # Only a path with a dot at a segment's start, or an encoded dot, slash, backslash, percent
+    # sign or non-ASCII character, or IIS's %u, can hold a dot-segment: the common path is not
+    # taken apart.
     if path.startswith(".") or "/." in path or "\\." in path or "%2e" in low or "%2f." in low or "%5c." in low \
-            or "%25" in low:
+            or "%25" in low or "%u" in low or "%c" in low or "%e" in low or "%f" in low:
         for segment in path.split("/"):
-            if _dot_segment(segment):
-                return (f"The request path {shown(path)!r} has a '.' or '..' segment (perhaps percent-encoded, or "
-                        "with ';' parameters), which the upstream may resolve to a path no route allows. Nothing "
-                        "was sent and no secret was touched. Send the path with those segments resolved.")
+            if hides_a_dot_segment(segment):
+                return (f"The request path {shown(path)!r} has a '.' or '..' segment (perhaps percent-encoded, in "
+                        "another form a server reads as a dot, with ';' parameters or trailing spaces), which the "
+                        "upstream may resolve to a path no route allows. Nothing was sent and no secret was "
+                        "touched. Send the path with those segments resolved.")
     if (transfer := req.values_of("transfer-encoding")) and codings_of(", ".join(transfer)) != ["chunked"]:
         return (f"The request's Transfer-Encoding is {', '.join(transfer)!r}: the broker undoes chunked only, and would "
                 "send the body still coded but described as plain. Nothing was sent and no secret was touched. Send "
@@ -1458,14 +1456,6 @@ def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
         return (f"The {idempotency_header} header holds characters other than visible ASCII (or bytes that are not "
                 "text). Nothing was sent. Use a key of letters, digits and punctuation, such as a UUID.")
     return None
-
-
-def _dot_segment(segment: str) -> bool:
-    """Whether a path segment is, or hides, ``.`` or ``..`` to an upstream that decodes it (once,
-    or again: ``%252e``), splits it at an encoded slash or a backslash, or reads a segment's name
-    only up to ``;`` or a NUL."""
-    decoded = fully_decoded(segment)
-    return any(_SEGMENT_NAME.match(part).group() in (".", "..") for part in decoded.replace("\\", "/").split("/"))
 
 
 def shown(text: str, limit: int = 200) -> str:

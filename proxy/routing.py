@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from functools import lru_cache
@@ -97,6 +99,44 @@ def as_an_upstream_may_read(path: str) -> str:
         if "\0" in decoded:
             break
     return "/".join(read)
+
+
+#: IIS's own escape, ``%u002e``: one UTF-16 code unit.
+_IIS_ESCAPE = re.compile("%u([0-9a-fA-F]{4})")
+#: An overlong UTF-8 sequence (``%c0%ae`` is ``.`` in two bytes): invalid UTF-8, which a lenient
+#: decoder still reads as the character its bits spell.
+_OVERLONG = re.compile(rb"[\xc0\xc1][\x80-\xbf]|\xe0[\x80-\x9f][\x80-\xbf]|\xf0[\x80-\x8f][\x80-\xbf]{2}")
+#: A segment name some server reads as ``.`` or ``..``: dots only, or dots then spaces and dots,
+#: which Windows drops from the end of a name (``..%20``, ``...``).
+_DOTS = re.compile(r"\.+[\s.]*")
+
+
+def _overlong(found: re.Match[bytes]) -> bytes:
+    raw = found.group()
+    code = raw[0] & (0x1F if len(raw) == 2 else 0x0F if len(raw) == 3 else 0x07)
+    for byte in raw[1:]:
+        code = code << 6 | byte & 0x3F
+    return chr(code).encode()
+
+
+def hides_a_dot_segment(segment: str) -> bool:
+    """Whether some upstream reads the path segment ``segment`` as, or as holding, ``.`` or
+    ``..``, which it would resolve (RFC 3986 section 5.2.4) to a path the route's glob never saw.
+    The readings: percent-decoded once or again (:func:`fully_decoded`), IIS's ``%uXXXX``,
+    overlong UTF-8, Unicode compatibility forms (a fullwidth ``．``, ``․`` one dot leader), a
+    backslash or a decoded slash as a separator, a name read up to ``;`` or a NUL, and trailing
+    spaces or dots dropped."""
+    decoded = fully_decoded(segment)
+    if "%u" in decoded or "%U" in decoded:
+        decoded = _IIS_ESCAPE.sub(lambda found: chr(int(found.group(1), 16)), decoded)
+    if not decoded.isascii():
+        raw = decoded.encode("utf-8", "surrogateescape")
+        decoded = unicodedata.normalize("NFKC", _OVERLONG.sub(_overlong, raw).decode("utf-8", "replace"))
+    for part in decoded.replace("\\", "/").split("/"):
+        name = part.split(";", 1)[0].split("\0", 1)[0]
+        if _DOTS.fullmatch(name):
+            return True
+    return False
 
 
 @lru_cache(maxsize=None)  # keyed by the routes' globs only: as many as there are routes

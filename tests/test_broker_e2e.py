@@ -1113,6 +1113,12 @@ def test_a_well_framed_chunked_body_is_read_however_it_arrives(broker: BrokerPro
         b"GET /h/%252e%252E/admin HTTP/1.1",  # an upstream that decodes twice
         b"GET /h/%2525252e%2525252e/admin HTTP/1.1",  # or more
         b"GET /h/..%00/admin HTTP/1.1",  # one that stops reading at a NUL
+        b"GET /h/..%20/admin HTTP/1.1",  # Windows drops trailing spaces and dots from a name
+        b"GET /h/.../admin HTTP/1.1",
+        b"GET /h/%u002e%u002e/admin HTTP/1.1",  # IIS's own escape
+        b"GET /h/%c0%ae%c0%ae/admin HTTP/1.1",  # overlong UTF-8, read by lenient decoders
+        b"GET /h/..%c0%afadmin HTTP/1.1",  # an overlong slash
+        b"GET /h/%ef%bc%8e%ef%bc%8e/admin HTTP/1.1",  # fullwidth dots, which NFKC makes '.'
         b"GET /h/ok#x HTTP/1.1",  # a fragment is never sent: an upstream may read the path up to it
         b"GET /h/ok HTTP/1.1\r\nX-Note: a\rb",
         b"GET /h/ok HTTP/1.1\r\nX-Note: a\x00b",

@@ -215,6 +215,36 @@ def test_a_path_whose_lenient_reading_the_glob_allows_too_is_served(broker, upst
     assert [r.path for r in sent(upstream)] == ["/files/a;v=1/b%20c.json"], "sent as written"
 
 
+@pytest.mark.parametrize("path", [
+    "/files/caf%C3%A9.json",  # non-ASCII, encoded: read the slow way, and no dot in it
+    "/files/%E2%82%AC/price.json",
+    "/files/main...feature.json",  # dots inside a name are no segment of their own
+    "/files/.well-known.json",
+    "/files/%e9t%e9.json",  # Latin-1 bytes, not UTF-8: nothing a decoder reads as a dot
+])
+def test_a_path_that_only_resembles_a_dot_segment_is_served_as_written(broker, upstream, path):
+    with broker.client() as client:
+        assert client.get(f"https://suffix.example.test{path}").status_code == 200
+    assert [r.path for r in sent(upstream)] == [path]
+
+
+@pytest.mark.parametrize(("segment", "hides"), [
+    ("..", True), (".", True), ("%2E%2e", True), ("..%20", True), ("..%09", True), ("...", True), (". .", True),
+    ("%u002e%u002E", True), ("%25u002e%25u002e", True), ("%c0%ae%c0%ae", True), ("%e0%80%ae.", True),
+    ("%f0%80%80%ae", True), ("..%c0%afadmin", True), ("%ef%bc%8e%ef%bc%8e", True), ("%e2%80%a5", True),
+    ("%ef%bc%8e%ef%bc%8e%ef%bc%8fadmin", True), ("..%ef%bc%bcadmin", True), ("..;x", True), ("%2e%2e%00x", True),
+    ("ok", False), ("a.b", False), ("..a", False), ("x..", False), ("main...feature", False), ("caf%C3%A9", False),
+    ("%e9t%e9", False), ("%ff%fe", False), ("%c3%28", False), ("%u0041", False), ("%uzzzz", False),
+])
+def test_the_readings_of_a_segment_that_hide_a_dot_segment(segment, hides):
+    """Each reading some server applies (decoding twice, IIS's %u, overlong UTF-8, Unicode
+    compatibility forms, Windows' trailing dots and spaces, ';' and NUL) is checked; a name with
+    dots among other characters is no dot-segment in any of them."""
+    from proxy.routing import hides_a_dot_segment
+
+    assert hides_a_dot_segment(segment) is hides
+
+
 def test_another_port_is_an_invalid_target(broker, upstream):
     with broker.client() as client:
         r = client.get("https://glob.example.test:8443/v1/charges")
