@@ -371,11 +371,12 @@ def create_app(
             raise not_visible(invocation_id)
         return row
 
-    @app.get("/healthz", tags=["health"], summary="Liveness: the process is serving")
+    # HEAD too: load balancers and uptime checks often probe with it.
+    @app.api_route("/healthz", methods=["GET", "HEAD"], tags=["health"], summary="Liveness: the process is serving")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["health"], summary="Readiness: the journal answers and can write",
+    @app.api_route("/readyz", methods=["GET", "HEAD"], tags=["health"], summary="Readiness: the journal answers and can write",
              responses=answers(503, meaning={503: "Not ready: the journal is unreachable or unwritable"}))
     async def readyz() -> Response:
         try:

@@ -442,6 +442,23 @@ def test_side_api_unknown_paths_and_methods_get_problem_documents(broker: Broker
             assert answer.json()["detail"] == "DELETE /v1/invocations: this endpoint takes only GET. See docs/api.md."
 
 
+def test_the_health_endpoints_answer_head_as_get_without_a_body(broker: BrokerProcess):
+    """Load balancers and uptime checks often probe with HEAD: the same status and headers as
+    GET, and no body (curl would complain of bytes after a HEAD answer)."""
+    for path in ("/healthz", "/readyz"):
+        got = httpx.get(broker.api_url + path, timeout=10)
+        probe = subprocess.run(["curl", "-sS", "--max-time", "10", "-I", broker.api_url + path],
+                               capture_output=True, text=True, timeout=20)
+        assert probe.returncode == 0, probe.stderr
+        status_line, *fields = probe.stdout.strip().splitlines()
+        assert status_line.split()[1] == str(got.status_code) == "200", probe.stdout
+        headers = dict(line.lower().split(": ", 1) for line in fields)
+        assert headers["content-type"] == got.headers["content-type"], probe.stdout
+        raw = _api_raw(broker, [b"HEAD " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"])
+        head, _, after = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and after == b"", raw
+
+
 def _no_traceback_since(broker: BrokerProcess, offset: int) -> None:
     logged = broker.logs()[offset:]
     assert "Traceback" not in logged, logged[-3000:]
