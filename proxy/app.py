@@ -75,6 +75,9 @@ def prepare_database(settings: Settings, *, nothing: str = "Nothing was started"
     auto = settings.database.auto_upgrade
     if auto is None:
         auto = settings.database.is_sqlite
+    if (problem := migrate.sqlite_file_problem(settings.database.url)) is not None:
+        raise StartupError(f"database.url {redact_url(settings.database.url)}: {problem}. {nothing}; fix database.url, "
+                           f"then {then}.")
     try:
         current = schema_revision(settings.database.url)
         if auto:

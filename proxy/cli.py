@@ -145,6 +145,9 @@ def db_upgrade(config: ConfigOption = None) -> None:
     from .store import migrate
 
     settings = settings_or_exit(config)
+    if (problem := migrate.sqlite_file_problem(settings.database.url)) is not None:
+        typer.echo(f"affidavit: cannot upgrade database.url {redact_url(settings.database.url)}: {problem}", err=True)
+        raise typer.Exit(1)
     try:
         schema_revision(settings.database.url)  # a newer broker's schema: refused as `affidavit run` refuses it
         migrate.upgrade(settings.database.url)

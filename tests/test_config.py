@@ -312,6 +312,23 @@ def test_a_read_command_in_the_wrong_directory_says_so_and_creates_nothing(tmp_p
     assert list(tmp_path.iterdir()) == [], "a read command left a file behind"
 
 
+@pytest.mark.parametrize("where", ["a directory", "a missing directory"])
+@pytest.mark.parametrize("command", [["run"], ["db", "upgrade"], ["invocations", "list"], ["secrets", "list"]])
+def test_a_sqlite_url_that_names_no_file_it_can_hold_is_said_so_by_every_command(tmp_path, command, where):
+    """SQLite says only "unable to open database file", and its connection thread could print a
+    traceback after the loop ended: each command says what the path is, and what to do."""
+    (tmp_path / "journal").mkdir()
+    path = tmp_path / "journal" if where == "a directory" else tmp_path / "nowhere" / "journal.db"
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")}
+    env |= {"AFFIDAVIT_DATABASE__URL": f"sqlite+aiosqlite:///{path}", "AFFIDAVIT_PROXY__LISTEN": f"127.0.0.1:{free_port()}",
+            "AFFIDAVIT_API__LISTEN": f"127.0.0.1:{free_port()}"}
+    done = subprocess.run([AFFIDAVIT, *command], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    said = "is a directory; the journal is a file" if where == "a directory" else f"the directory of {path} does not exist"
+    assert said in done.stderr and "Traceback" not in done.stderr and "unable to open" not in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["journal"], "nothing was created"
+
+
 def test_affidavit_version_is_the_installed_distributions():
     from importlib.metadata import version
 

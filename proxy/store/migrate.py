@@ -40,6 +40,26 @@ def connect_args(url: str) -> dict[str, float]:
     return {"timeout": CONNECT_TIMEOUT} if url.startswith("postgresql") else {}
 
 
+def sqlite_file_problem(url: str) -> str | None:
+    """Why the SQLite journal file at ``url`` cannot be opened (a directory, or a directory that
+    does not exist), said before SQLite says only "unable to open database file"; None for
+    PostgreSQL, a ``file:`` URI, or a path that can hold the journal."""
+    from pathlib import Path
+
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database.startswith("file:") \
+            or parsed.query.get("uri") in ("true", "1"):
+        return None
+    path = Path(parsed.database).absolute()
+    if path.is_dir():
+        return f"{path} is a directory; the journal is a file, such as {path / 'affidavit.db'}"
+    if not path.parent.is_dir():
+        return f"the directory of {path} does not exist; create it, or point database.url at a file in one that does"
+    return None
+
+
 def current(url: str) -> str | None:
     """The revision the database is at, or None for a database without the version table."""
     import asyncio
