@@ -8,7 +8,7 @@ broker's CA, ALPN ``h2``. The frames come from the ``h2`` library, which mitmpro
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import h2.config
 import h2.connection
@@ -29,7 +29,8 @@ class H2Agent:
         self.conn = h2.connection.H2Connection(config)
         self.conn.initiate_connection()
         self._flush()
-        #: per stream: {"headers": [...], "body": bytes, "ended": "StreamEnded" | "StreamReset" | None}
+        #: per stream: {"headers": [...], "body": bytes, "ended": "StreamEnded" | "StreamReset" | None,
+        #: and "reset": the error code of a RST_STREAM the broker sent, once one came}
         self.streams: dict[int, dict[str, Any]] = {}
 
     def __enter__(self) -> "H2Agent":
@@ -43,17 +44,28 @@ class H2Agent:
         if data:
             self.sock.sendall(data)
 
-    def request(self, method: str, path: str, body: bytes = b"", headers: list[tuple[str, str]] | None = None) -> int:
-        """Send a whole request on a new stream; returns the stream's id."""
+    def request(self, method: str, path: str, body: bytes = b"", headers: list[tuple[str, str]] | None = None,
+                *, content_length: int | None = None, end_stream: bool = True, flush: bool = True) -> int:
+        """Send a request on a new stream; returns the stream's id. ``content_length``: the length
+        it declares, if not its body's; ``end_stream=False``: its body goes on (:meth:`send`);
+        ``flush=False``: its frames go out with the next ones sent, in one write."""
         stream_id = self.conn.get_next_available_stream_id()
+        declared = len(body) if content_length is None else content_length
         fields = [(":method", method), (":scheme", "https"), (":authority", self.authority), (":path", path),
-                  *(headers or []), *([("content-length", str(len(body)))] if body else [])]
-        self.conn.send_headers(stream_id, fields, end_stream=not body)
+                  *(headers or []), *([("content-length", str(declared))] if body or declared else [])]
+        self.conn.send_headers(stream_id, fields, end_stream=not body and end_stream)
         if body:
-            self.conn.send_data(stream_id, body, end_stream=True)
-        self._flush()
+            self.conn.send_data(stream_id, body, end_stream=end_stream)
+        if flush:
+            self._flush()
         self.streams[stream_id] = {"headers": None, "body": b"", "ended": None}
         return stream_id
+
+    def send(self, stream_id: int, data: bytes, end_stream: bool = True, flush: bool = True) -> None:
+        """More of a request's body (a DATA frame), or only its end."""
+        self.conn.send_data(stream_id, data, end_stream=end_stream)
+        if flush:
+            self._flush()
 
     def reset(self, stream_id: int) -> None:
         """RST_STREAM(CANCEL): the HTTP/2 way to abandon one request; the connection stays."""
@@ -62,10 +74,18 @@ class H2Agent:
 
     def response(self, stream_id: int, timeout: float = 15) -> tuple[int, dict[str, str], bytes]:
         """Read until ``stream_id`` has a complete response: (status, headers, body)."""
+        self.read_until(lambda: self.streams[stream_id]["ended"] is not None, timeout, f"complete response on stream {stream_id}")
+        state = self.streams[stream_id]
+        assert state["ended"] == "StreamEnded", state
+        headers = dict(state["headers"])
+        return int(headers.pop(":status")), headers, state["body"]
+
+    def read_until(self, done: Callable[[], bool], timeout: float = 15, what: str = "such frames") -> None:
+        """Read and take in the broker's frames until ``done()``."""
         deadline = time.monotonic() + timeout
-        while self.streams[stream_id]["ended"] is None:
+        while not done():
             left = deadline - time.monotonic()
-            assert left > 0, f"no complete response on stream {stream_id} in {timeout}s"
+            assert left > 0, f"no {what} in {timeout}s"
             self.sock.settimeout(left)
             data = self.sock.recv(65536)
             assert data, "the broker closed the connection"
@@ -78,12 +98,10 @@ class H2Agent:
                     if state is not None:
                         state["body"] += event.data
                 elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)) and state is not None:
-                    state["ended"] = type(event).__name__
+                    state["ended"] = state["ended"] or type(event).__name__  # a reset after a whole answer: ended
+                    if isinstance(event, h2.events.StreamReset):
+                        state["reset"] = event.error_code
             self._flush()
-        state = self.streams[stream_id]
-        assert state["ended"] == "StreamEnded", state
-        headers = dict(state["headers"])
-        return int(headers.pop(":status")), headers, state["body"]
 
     def close(self) -> None:
         try:
