@@ -441,6 +441,9 @@ def install_caller_watch(addon: "BrokerAddon") -> None:
         return (yield from handle_h2_event(self, event))
 
     def refuse_stream(conn: Any, stream_id: int) -> None:
+        stream = conn.streams.get(stream_id)
+        if stream is None or stream.closed:  # already ended: reset by the agent in the same read
+            return
         response = http2_refused(
             "The request's HTTP/2 pseudo-header fields are malformed: one is missing or repeated, or is not one a "
             "request may have (:method, :scheme, :authority, :path).")
@@ -451,8 +454,7 @@ def install_caller_watch(addon: "BrokerAddon") -> None:
         except h2.exceptions.H2Error:  # the agent's window or frame size does not admit it
             conn.reset_stream(stream_id, h2.errors.ErrorCodes.PROTOCOL_ERROR)
             return
-        stream = conn.streams.get(stream_id)
-        if stream is not None and not stream.closed:  # the agent is still sending: it need not
+        if not stream.closed:  # the agent is still sending: it need not
             conn.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
 
     stream_handle_event.__wrapped__ = handle_event  # type: ignore[attr-defined]

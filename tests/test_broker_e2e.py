@@ -911,6 +911,24 @@ def test_an_http2_request_with_malformed_pseudo_headers_is_refused_alone(
     assert sorted(r.path for r in upstream.received) == ["/h/ok", "/h/slow?delay=0.5"]
 
 
+def test_an_http2_request_with_malformed_pseudo_headers_reset_by_its_agent_at_once_is_let_go(
+        broker: BrokerProcess, upstream: HostileUpstream):
+    """The agent resets the malformed stream in the same write: by the time the broker refuses it
+    the stream is closed, and there is nothing to answer; the connection's other requests go on."""
+    from h2.errors import ErrorCodes
+
+    from tests.support.h2agent import H2Agent
+
+    upstream.reset()
+    offset = len(broker.logs())
+    with H2Agent(broker, "api.payments.test", strict=False) as agent:
+        refused = agent.request("POST", "/h/ok", body=b"{}", headers=[(":path", "/admin")], end_stream=False, flush=False)
+        agent.conn.reset_stream(refused, ErrorCodes.CANCEL)
+        assert agent.response(agent.request("GET", "/h/ok"))[0] == 200, "the connection goes on"
+    assert [r.path for r in upstream.received] == ["/h/ok"]
+    assert "Traceback" not in broker.logs()[offset:]
+
+
 @pytest.mark.parametrize("path", ["/h/ok HTTP/1.1", "/h/o\tk", "/h/..\x0b/admin", "/h/ok\x7f", "/h/\u00e9t\u00e9",
                                   "/h/ok#/../admin"])
 def test_an_http2_path_that_is_no_request_target_is_refused_before_it_is_sent(
