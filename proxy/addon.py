@@ -141,7 +141,7 @@ def http2_malformed(request: http.Request) -> str | None:
 
 
 def http2_refused(why: str) -> http.Response:
-    log.info("refused an HTTP/2 request with malformed header fields: 400 %s", Code.MALFORMED_REQUEST.value)
+    log.info("refused a malformed HTTP/2 request on its stream alone: 400 %s", Code.MALFORMED_REQUEST.value)
     return _refusal(
         400, Code.MALFORMED_REQUEST,
         f"{why} Nothing was sent upstream and nothing was recorded; the connection's other requests go on. "
@@ -398,6 +398,7 @@ def install_caller_watch(addon: "BrokerAddon") -> None:
     import h2.errors
     import h2.events
     import h2.exceptions
+    from hyperframe.frame import DataFrame
     from mitmproxy.proxy.commands import SendData
     from mitmproxy.proxy.layers.http import HttpStream, RequestProtocolError
     from mitmproxy.proxy.layers.http._http2 import Http2Server, parse_h2_request_headers
@@ -424,34 +425,74 @@ def install_caller_watch(addon: "BrokerAddon") -> None:
         # The broker checks those rules itself, per request (http2_malformed), and refuses only
         # that one. HTTP/1's checks (mitmproxy's validate_inbound_headers) stay as they are.
         self.h2_conf.validate_inbound_headers = False
+        # A request body that does not match its content-length (more bytes than it declares, or
+        # END_STREAM short of it) makes h2 end the whole connection too, and lose the events of
+        # every frame read with it. It is an error of that stream (RFC 9113 8.1.1): its DATA
+        # frames go through the check below, which refuses that stream alone and tells mitmproxy
+        # it was reset, as h2 itself does with a stream whose WINDOW_UPDATE overflows. The body is
+        # read whole before the ``request`` hook, where the broker records and dispatches (it sets
+        # no ``stream_large_bodies``), so a mismatch is always found before anything was recorded.
+        # h2's frame table is not public: pinned by tests/test_broker_e2e.py::
+        # test_an_http2_body_that_does_not_match_its_content_length_is_refused_alone.
+        dispatch = self.h2_conn._frame_dispatch_table
+        dispatch[DataFrame] = functools.partial(receive_data_frame, self.h2_conn, dispatch[DataFrame])
 
     handle_h2_event = getattr(Http2Server.handle_h2_event, "__wrapped__", Http2Server.handle_h2_event)
 
     def http2_handle_h2_event(self: Any, event: Any) -> Any:
         # Pseudo-header fields mitmproxy cannot parse (one missing, one twice, one unknown) would
         # end the whole connection too: that one stream gets its envelope, ended (and reset if
-        # the agent was still sending), and the connection's other requests go on.
+        # the agent was still sending), and the connection's other requests go on. So does a
+        # request ended with its headers that declares a body, which h2 does not check (it
+        # checks a body against its content-length only as DATA frames come: see above).
         if isinstance(event, h2.events.RequestReceived):
+            why = None
             try:
                 parse_h2_request_headers(event.headers)
             except ValueError:  # its text quotes the fields: not for the envelope
-                refuse_stream(self.h2_conn, event.stream_id)
+                why = ("The request's HTTP/2 pseudo-header fields are malformed: one is missing or repeated, or is not "
+                       "one a request may have (:method, :scheme, :authority, :path).")
+            declared = next((int(v, 10) for k, v in event.headers if k == b"content-length"), 0)  # h2 parsed it so
+            if why is None and event.stream_ended and declared:
+                why = body_length_mismatch(declared, 0)
+            if why is not None:
+                refuse_stream(self.h2_conn, event.stream_id, why)
                 yield SendData(self.conn, self.h2_conn.data_to_send())
                 return False
         return (yield from handle_h2_event(self, event))
 
-    def refuse_stream(conn: Any, stream_id: int) -> None:
+    def body_length_mismatch(declared: int, read: int) -> str:
+        if read > declared:
+            return f"The request's body is longer than the {declared} bytes its content-length header declares."
+        return f"The request's body ended after {read} of the {declared} bytes its content-length header declares."
+
+    def receive_data_frame(conn: Any, receive: Callable[[Any], Any], frame: Any) -> Any:
+        try:
+            return receive(frame)
+        except h2.exceptions.InvalidBodyLengthError as e:  # raised before h2 took the frame's END_STREAM, if any
+            refuse_stream(conn, frame.stream_id, body_length_mismatch(e.expected_length, e.actual_length))
+            conn.acknowledge_received_data(frame.flow_controlled_length, frame.stream_id)  # the connection's window
+            return [], [stream_reset(frame.stream_id, h2.errors.ErrorCodes.PROTOCOL_ERROR)]
+
+    def stream_reset(stream_id: int, error_code: int) -> Any:
+        """The event h2 gives for a stream it reset itself."""
+        try:  # h2 4.2 on (mitmproxy 12): its events are made with their fields
+            return h2.events.StreamReset(stream_id=stream_id, error_code=error_code, remote_reset=False)
+        except TypeError:  # h2 4.1 (mitmproxy 11): they are set after
+            event = h2.events.StreamReset()
+            event.stream_id, event.error_code, event.remote_reset = stream_id, error_code, False
+            return event
+
+    def refuse_stream(conn: Any, stream_id: int, why: str) -> None:
         stream = conn.streams.get(stream_id)
-        if stream is None or stream.closed:  # already ended: reset by the agent in the same read
+        if stream is None or stream.closed:  # already ended: reset by the agent, or refused for its body
             return
-        response = http2_refused(
-            "The request's HTTP/2 pseudo-header fields are malformed: one is missing or repeated, or is not one a "
-            "request may have (:method, :scheme, :authority, :path).")
+        response = http2_refused(why)
         fields = [(b":status", b"%d" % response.status_code), *((k.lower(), v) for k, v in response.headers.fields)]
         try:
             conn.send_headers(stream_id, fields)
             conn.send_data(stream_id, response.content or b"", end_stream=True)
-        except h2.exceptions.H2Error:  # the agent's window or frame size does not admit it
+        except h2.exceptions.H2Error:  # the agent's window or frame size does not admit it (or an answer has begun)
             conn.reset_stream(stream_id, h2.errors.ErrorCodes.PROTOCOL_ERROR)
             return
         if not stream.closed:  # the agent is still sending: it need not

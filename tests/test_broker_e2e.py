@@ -27,7 +27,7 @@ from tests.support.canaries import CANARIES
 from tests.support.broker import BrokerProcess
 from tests.support.envelopes import check_envelope
 from tests.support.hostile import HostileUpstream
-from tests.support.journal import dispatched_ids, dump_journal
+from tests.support.journal import dispatched_ids, dump_journal, query
 
 PAYMENTS = "https://api.payments.test"
 EXPECTED_KINDS = [
@@ -926,6 +926,62 @@ def test_an_http2_request_with_malformed_pseudo_headers_reset_by_its_agent_at_on
         agent.conn.reset_stream(refused, ErrorCodes.CANCEL)
         assert agent.response(agent.request("GET", "/h/ok"))[0] == 200, "the connection goes on"
     assert [r.path for r in upstream.received] == ["/h/ok"]
+    assert "Traceback" not in broker.logs()[offset:]
+
+
+@pytest.mark.parametrize(("declared", "frames"), [
+    (4, [(b"x" * 10, True)]),
+    (4, [(b"x" * 10, False)]),  # and goes on sending
+    (10, [(b"x" * 6, False), (b"x" * 6, True)]),  # the broker has read part of the body when the rest overruns it
+    (10, [(b"x" * 4, True)]),
+    (10, [(b"x" * 4, False), (b"", True)]),  # ended later, by an empty DATA frame
+    (10, [(b"", True)]),  # ended with its headers, which h2 lets pass
+], ids=["longer", "longer-still-sending", "longer-in-a-later-frame", "shorter", "shorter-ended-later", "shorter-no-data"])
+def test_an_http2_body_that_does_not_match_its_content_length_is_refused_alone(
+        broker: BrokerProcess, upstream: HostileUpstream, declared: int, frames: list[tuple[bytes, bool]]):
+    """RFC 9113 8.1.1: a body longer or shorter than its content-length makes the request
+    malformed, an error of its stream. The h2 library would end the whole connection (GOAWAY), and
+    with it the answer of a request already dispatched on it: the broker refuses that one stream,
+    before anything of it was recorded (the body is read whole before the ``request`` hook)."""
+    from h2.errors import ErrorCodes
+
+    from tests.support.h2agent import H2Agent
+
+    recorded = "SELECT DISTINCT invocation_id FROM events"
+    before, offset = set(query(broker.database_url, recorded)), len(broker.logs())
+    upstream.reset()
+    with H2Agent(broker, "api.payments.test") as agent:
+        slow = agent.request("POST", "/h/slow?delay=0.5", body=b"{}")
+        time.sleep(0.2)  # dispatched before the bad one arrives
+        (first, end), *later = frames
+        bad = agent.request("POST", "/h/ok?bad=1", body=first, content_length=declared, end_stream=end, flush=not later)
+        for data, end in later:
+            time.sleep(0.2)  # in a read of its own
+            agent.send(bad, data, end_stream=end, flush=False)
+        beside = agent.request("GET", "/h/ok?beside=1")  # in one write with the bad frame: the broker reads them together
+        status, headers, answer = agent.response(bad)
+        assert status == 400 and headers["content-type"] == "application/problem+json", (status, answer[:300])
+        envelope = check_envelope(answer)
+        SEEN.append(json.dumps(envelope))
+        error = envelope["error"]
+        assert (error["code"], error["outcome"], envelope["invocation_id"]) == ("MALFORMED_REQUEST", "not_attempted", None)
+        assert f"the {declared} bytes its content-length header declares" in error["message"], error
+        assert "Nothing was sent upstream and nothing was recorded" in error["message"], error
+        if not frames[-1][1]:  # the agent is still sending: its stream is reset, which asks it to stop
+            agent.read_until(lambda: "reset" in agent.streams[bad], what=f"RST_STREAM on stream {bad}")
+            assert agent.streams[bad]["reset"] == ErrorCodes.NO_ERROR
+        status, headers, _ = agent.response(slow)
+        assert status == 200, "the request dispatched on the same connection got its answer"
+        done = [headers["affidavit-invocation-id"]]
+        status, headers, _ = agent.response(beside)
+        assert status == 200, "the request read with the bad frame got its answer"
+        done.append(headers["affidavit-invocation-id"])
+        status, headers, _ = agent.response(agent.request("GET", "/h/ok"))
+        assert status == 200, "the connection goes on"
+        done.append(headers["affidavit-invocation-id"])
+    assert sorted(r.path for r in upstream.received) == ["/h/ok", "/h/ok?beside=1", "/h/slow?delay=0.5"], "the bad one was not sent"
+    assert set(query(broker.database_url, recorded)) - before == {(i,) for i in done}, "nothing of the refused one was recorded"
+    assert dispatched_ids(broker.database_url) >= set(done)
     assert "Traceback" not in broker.logs()[offset:]
 
 
