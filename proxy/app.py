@@ -211,6 +211,9 @@ async def serve(
         stale_after=settings.recovery.stale_after,
         sweep_every=settings.recovery.sweep_every,
     )
+    # Alive before serving: a sibling's sweep takes an owner without a heartbeat for a dead one,
+    # once its records are stale_after old (a beat that fails here is tried again every heartbeat).
+    await recovery.beat()
 
     listen_host, listen_port = parse_listen(settings.proxy.listen)
     prepare_ca(settings)

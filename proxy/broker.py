@@ -1270,15 +1270,20 @@ class Broker:
         Nothing can be written to the record by this broker (the fence refuses it), and nothing
         was sent; what is known about the effect is what the record said before this attempt.
         """
-        outcome = Outcome.UNKNOWN if entry.record.dispatch_started else Outcome.NOT_ATTEMPTED
+        # This attempt's DISPATCH_STARTED, if it got that far, is the write the fence refused:
+        # only an earlier attempt's dispatch says anything about the effect.
+        attempts = entry.record.attempts
+        earlier = any(a.dispatch_seq is not None for a in attempts[:-1])
+        outcome = Outcome.UNKNOWN if earlier else Outcome.NOT_ATTEMPTED
         body = envelope(
             entry.invocation_id,
             Code.LEASE_LOST,
             Phase.VALIDATION,
             outcome,
             Retry.BACKOFF,
-            "This broker's lease on the invocation ran out before it could dispatch, so it sent nothing; "
-            "another attempt may be running elsewhere. Ask GET /v1/invocations/{id} before trying again.",
+            "This broker's lease on the invocation ran out, or another broker took the invocation over (this one "
+            "was silent too long), before it could dispatch, so it sent nothing; another attempt may be running "
+            "elsewhere. Ask GET /v1/invocations/{id} before trying again.",
             {"dispatch_started": False},
         )
         headers = [("Content-Type", MEDIA_TYPE), (INVOCATION_HEADER, entry.invocation_id), (CODE_HEADER, Code.LEASE_LOST.value),

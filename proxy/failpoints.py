@@ -41,6 +41,7 @@ NAMES = frozenset(
         "journal_before_commit",  # the journal writer is about to commit a batch
         "worker_start",  # a worker of `run --workers N` listens on the shared ports, not yet ready
         "sqlite_writer_start",  # the SQLite journal is about to start its writer process
+        "heartbeat",  # recovery is about to write this broker's heartbeat
     }
 )
 

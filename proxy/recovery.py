@@ -3,8 +3,10 @@
 Each broker process is an *owner* ``<instance>/<incarnation>``; the instance is the host and the
 proxy's listen address, so a restarted broker knows its earlier incarnations are dead (it holds
 their port now) and recovers their work at once. Work of other instances is recovered only once
-their heartbeat has been silent for ``stale_after`` while this broker's own journal connection
-was healthy all that time (a database outage silences every heartbeat at once; it proves nothing).
+their heartbeat has been silent for ``stale_after``, and the record untouched as long, while this
+broker's own journal connection was healthy all that time (a database outage silences every
+heartbeat at once; it proves nothing). A broker beats once before it serves, so its siblings know
+it is alive before it writes its first record.
 
 Recovery appends; it never rewrites. What it appends follows the contract:
 
@@ -33,6 +35,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from . import metrics
+from .failpoints import failpoint
 from .contract import CallerDisposition, Code, EventKind, Phase, Record, Stage, project
 from .invocation_log import InvocationLog, identity_of, utcnow
 from .store import queries
@@ -136,6 +139,7 @@ class Recovery:
     async def beat(self) -> None:
         now = utcnow()
         try:
+            await failpoint("heartbeat")
             async with self.engine.begin() as conn:
                 # PostgreSQL stamps heartbeats with its own clock, so brokers on hosts whose clocks
                 # disagree still judge each other fairly (SQLite is one host anyway).
@@ -166,7 +170,10 @@ class Recovery:
             horizon = timedelta(seconds=self.stale_after)
             cutoff = func.now() - horizon if self.engine.dialect.name == "postgresql" else now - horizon
             alive = select(brokers.c.owner).where(brokers.c.heartbeat_at > cutoff)
-            conditions.append(and_(c.owner != self.owner, c.owner.not_in(alive)))
+            # Dead: no recent heartbeat, and the record itself untouched as long. An owner that
+            # has no heartbeat row yet is one that is starting (its first beat may be slow, or
+            # fail), not one that stopped: its fresh records are its own.
+            conditions.append(and_(c.owner != self.owner, c.owner.not_in(alive), c.updated_at < cutoff))
         query = (
             select(invocations)
             .where(and_(c.stage.in_([s.value for s in IN_FLIGHT]), or_(*conditions)))

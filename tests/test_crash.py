@@ -615,6 +615,47 @@ def test_a_live_brokers_in_flight_work_is_left_alone_and_a_dead_ones_is_closed(m
     assert last_writer[0][0].startswith("broker-b/"), last_writer
 
 
+def test_a_broker_with_no_heartbeat_yet_keeps_its_fresh_records(make_broker, upstream):
+    """A broker that has not written a heartbeat (its first one failed, or it is starting) is not
+    taken for dead while its records are fresh: a sibling closed them at once, and the caller of
+    a request the upstream answered got RESULT_STORE_FAILED while the record said unknown."""
+    b = make_broker("postgresql", routes=crash_routes(upstream), recovery={**FAST_RECOVERY, "instance": "broker-b"})
+    a = make_broker(routes=crash_routes(upstream), like=b, recovery={**FAST_RECOVERY, "instance": "broker-a"},
+                    env={"AFFIDAVIT_FAILPOINTS": "heartbeat=raise"})
+    time.sleep(2.0)  # b has been healthy for longer than stale_after: it now judges other brokers
+    assert query(b.database_url, "SELECT count(*) FROM brokers WHERE instance = 'broker-a'") == [('0',)]
+    assert query(b.database_url, "SELECT count(*) FROM brokers WHERE instance = 'broker-b'") == [('1',)]
+
+    # b sweeps every 0.3 s while the exchange is in flight, well within stale_after (1.5 s).
+    fresh = _post_in_background(a, CRASH + "/h/slow?delay=0.6&n=fresh")
+    fresh_id = _record_for(a, "fresh")
+    answer = fresh.result(timeout=15)
+    assert answer.status_code == 200 and "affidavit-code" not in answer.headers, answer.headers
+    record = a.wait_for(fresh_id, lambda r: r["stage"] == "delivered")
+    assert record["outcome"] == "committed"
+    assert [e for e in record["events"] if e["kind"] == "FAILED"] == [], record["events"]
+    assert "left in flight" not in b.logs()
+
+
+def test_a_first_attempt_fenced_after_a_takeover_says_not_attempted(make_broker, upstream):
+    """A broker that stalls before dispatch, silent, is taken over; when it goes on, its
+    DISPATCH_STARTED is fenced. Nothing was ever dispatched, so its answer says not_attempted,
+    as the record does, not unknown (its own refused write is no evidence)."""
+    b = make_broker("postgresql", routes=crash_routes(upstream), recovery={**FAST_RECOVERY, "instance": "broker-b"})
+    a = make_broker(routes=crash_routes(upstream), like=b, recovery={**FAST_RECOVERY, "instance": "broker-a"},
+                    env={"AFFIDAVIT_FAILPOINTS": "heartbeat=raise;before_credential=pause:4@1"})
+    time.sleep(2.0)  # b has been healthy for longer than stale_after: it now judges other brokers
+    with a.client(timeout=15) as client:
+        lost = client.post(CRASH + "/h/status?code=201&n=stalled", content=b"{}", headers={"Idempotency-Key": "k_" + secrets.token_hex(6)})
+    assert lost.status_code == 409, lost.text
+    error = check_envelope(lost.content)["error"]
+    assert (error["code"], error["outcome"]) == ("LEASE_LOST", "not_attempted"), error
+    assert lost.headers["affidavit-outcome"] == "not_attempted"
+    record = b.invocation(lost.headers["affidavit-invocation-id"])
+    assert (record["outcome"], record["code"]) == ("not_attempted", "BROKER_RESTARTED"), record
+    assert not [r for r in upstream.received if "n=stalled" in r.path], "nothing was sent"
+
+
 def _rss_kb(pid: int) -> int:
     with open(f"/proc/{pid}/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
