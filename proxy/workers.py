@@ -9,9 +9,12 @@ journal, which already serves several brokers (leases, fencing, recovery).
 
 * Start: the supervisor prints the banner once every worker printed its ready line. A worker
   that exits during start-up stops the others, and the supervisor exits 1.
-* Running: a worker that dies is restarted (its earlier incarnation's in-flight records are
-  recovered at once by the new one, see proxy/recovery.py). Five deaths within a minute stop
-  everything: something is wrong that a restart will not fix.
+* Running: a worker that dies is restarted at once (its earlier incarnation's in-flight records
+  are recovered by the new one when it starts, see proxy/recovery.py). Five deaths of serving
+  workers within a minute stop everything: something is wrong that a restart will not fix. A
+  restart that fails before the worker is ready (the database is down, say) is tried again after
+  a wait that doubles per failure (1 s up to 30 s) and stops nothing: the other workers go on
+  serving, as one broker does through an outage.
 * Stop: SIGTERM or SIGINT to the supervisor reaches every worker; each drains like a single
   broker. A worker whose supervisor disappears (even by SIGKILL) stops within a second.
 * Metrics: the workers share a Prometheus multiprocess directory, so ``/metrics`` from any
@@ -35,8 +38,11 @@ from pathlib import Path
 from .config import Settings, parse_listen
 
 READY_PREFIX = "affidavit: worker "
-#: A worker that died this often within ``CRASH_WINDOW`` seconds stops the broker.
+#: Serving workers that died this often within ``CRASH_WINDOW`` seconds stop the broker.
 CRASH_LIMIT, CRASH_WINDOW = 5, 60.0
+#: After a restart that failed before the worker was ready, the next waits this long, doubling
+#: per failure in a row up to the second figure.
+RESTART_BACKOFF = (1.0, 30.0)
 START_TIMEOUT = 120.0
 STOP_GRACE = 30.0
 
@@ -48,6 +54,10 @@ class Worker:
         self.env = env
         self.ready = threading.Event()
         self.process: subprocess.Popen[str] | None = None
+        #: Restarts in a row that ended before the worker was ready.
+        self.failed_starts = 0
+        #: When a worker that is down starts again (monotonic), else None.
+        self.restart_at: float | None = None
 
     def start(self) -> None:
         self.ready.clear()
@@ -158,22 +168,50 @@ def _watch(pool: list[Worker], stopping: threading.Event, metrics_dir: str) -> i
     while not stopping.wait(0.2):
         for worker in pool:
             assert worker.process is not None
+            now = time.monotonic()
+            if worker.restart_at is not None:
+                if now >= worker.restart_at:
+                    worker.restart_at = None
+                    worker.start()
+                continue
             code = worker.process.poll()
             if code is None:
+                if worker.ready.is_set():
+                    worker.failed_starts = 0
                 continue
             multiprocess.mark_process_dead(worker.process.pid, metrics_dir)
-            now = time.monotonic()
+            pid, how = worker.process.pid, _exit_of(code)
+            if not worker.ready.is_set():  # this restart never served: wait, then try again
+                worker.failed_starts += 1
+                delay = min(RESTART_BACKOFF[0] * 2 ** (worker.failed_starts - 1), RESTART_BACKOFF[1])
+                worker.restart_at = now + delay
+                print(f"affidavit: worker {worker.index} (pid {pid}) {how} before it was ready ({worker.failed_starts} "
+                      f"start(s) in a row; its reason is above); trying again in {delay:.0f} s. The other workers go "
+                      "on serving; its in-flight records are recovered once one of its restarts starts.",
+                      file=sys.stderr, flush=True)
+                continue
             deaths.append(now)
             while deaths and deaths[0] < now - CRASH_WINDOW:
                 deaths.popleft()
             if len(deaths) >= CRASH_LIMIT:
-                print(f"affidavit: workers died {len(deaths)} times within {CRASH_WINDOW:.0f}s (worker {worker.index}: "
-                      f"status {code}); stopping the broker. See the log above for why.", file=sys.stderr)
+                print(f"affidavit: workers died {len(deaths)} times within {CRASH_WINDOW:.0f}s while serving (worker "
+                      f"{worker.index}: {how}); stopping the broker. See the log above for why.", file=sys.stderr)
                 return 1
-            print(f"affidavit: worker {worker.index} (pid {worker.process.pid}) exited with status {code}; "
-                  "restarting it (its in-flight records are recovered on start)", file=sys.stderr)
+            print(f"affidavit: worker {worker.index} (pid {pid}) {how}; restarting it (its in-flight records are "
+                  "recovered when it starts)", file=sys.stderr, flush=True)
             worker.start()
     return 0
+
+
+def _exit_of(code: int) -> str:
+    """How a worker ended, for the log: its exit status, or the signal that killed it."""
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"was killed by signal {-code} ({name})"
 
 
 def _stop_all(pool: list[Worker]) -> None:

@@ -12,11 +12,13 @@ import time
 
 import httpx
 import pytest
+from sqlalchemy.engine import make_url
 
 from tests.conftest import database_url
 from tests.support.broker import AFFIDAVIT, BrokerProcess
 from tests.support.envelopes import check_envelope
 from tests.support.journal import query
+from tests.support.relay import TcpRelay
 
 PAY = "https://api.payments.test"
 
@@ -93,7 +95,7 @@ def test_a_worker_killed_mid_request_is_restarted_and_its_record_recovered(pg_ur
     deadline = time.monotonic() + 20
     while "worker" not in broker.logs().split("restarting it")[-1] and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert re.search(r"affidavit: worker \d \(pid \d+\) exited with status -9; restarting it", broker.logs())
+    assert re.search(r"affidavit: worker \d \(pid \d+\) was killed by signal 9 \(SIGKILL\); restarting it", broker.logs())
     assert len(re.findall(r"affidavit: worker \d ready", broker.logs())) == 3, broker.logs()[-2000:]
     assert sum(alive(p) for p in before) == 1, "the killed worker is gone, its sibling still serves"
     assert broker.proc is not None and broker.proc.poll() is None
@@ -113,6 +115,39 @@ def test_a_worker_that_keeps_dying_stops_the_broker(pg_url, make_broker, upstrea
     assert broker.proc.returncode == 1, broker.logs()[-3000:]
     assert re.search(r"affidavit: workers died 5 times within 60s .*stopping the broker", broker.logs())
     assert upstream.effects == 0
+
+
+def test_a_worker_that_cannot_restart_through_an_outage_stops_nothing_and_serves_again(pg_url, make_broker, upstream):
+    """A worker killed while the database is down cannot start again (every start checks the
+    journal); its restarts wait longer each time and are not the crash loop that stops the broker:
+    its sibling goes on (refusing, as one broker does in an outage), and once the database answers
+    the worker starts and both serve."""
+    server = make_url(pg_url)
+    with TcpRelay(server.host or "127.0.0.1", server.port or 5432) as relay:
+        relayed = server.set(host="127.0.0.1", port=relay.listen_port).render_as_string(hide_password=False)
+        broker = make_broker(db_url=relayed, proxy={"workers": 2})
+        assert broker.proc is not None
+        first, second = worker_pids(broker)
+        relay.cut()
+        os.kill(second, signal.SIGKILL)
+        failed = r"affidavit: worker \d \(pid \d+\) exited with status 1 before it was ready \((\d+) start\(s\) in a row"
+        deadline = time.monotonic() + 90
+        while len(re.findall(failed, broker.logs())) < 5 and time.monotonic() < deadline:
+            assert broker.proc.poll() is None, broker.logs()[-3000:]
+            time.sleep(0.2)
+        assert [int(n) for n in re.findall(failed, broker.logs())][:5] == [1, 2, 3, 4, 5], broker.logs()[-3000:]
+        assert re.findall(r"trying again in (\d+) s", broker.logs())[:5] == ["1", "2", "4", "8", "16"]
+        assert broker.proc.poll() is None and alive(first), "five failed restarts did not stop the broker"
+        assert "stopping the broker" not in broker.logs()
+        relay.restore()
+        deadline = time.monotonic() + 60
+        while len(re.findall(r"affidavit: worker \d ready", broker.logs())) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(re.findall(r"affidavit: worker \d ready", broker.logs())) == 3, broker.logs()[-3000:]
+        for i in range(8):  # new connections: the kernel spreads them over both workers again
+            with broker.client() as client:
+                assert client.get(PAY + f"/h/status?code=200&n={i}").status_code == 200
+        assert broker.stop() == 0
 
 
 def test_sigterm_stops_every_worker_and_a_killed_supervisor_leaves_none(pg_url, make_broker, upstream):
