@@ -95,8 +95,12 @@ class InvocationLog:
         record: Record | None = None,
         persisted: bool = False,
         generation: int = 0,
+        taken_from: str | None = None,
     ):
         self.journal = journal
+        #: The owner whose record this process only closes (recovery), else None: it did not time
+        #: the invocation, so its end-of-invocation line has no duration and names that owner.
+        self.taken_from = taken_from
         self.identity = identity
         self.owner = owner
         self.record = record or Record()
@@ -179,9 +183,10 @@ class InvocationLog:
                 "caller_disposition": record.caller_disposition.value,
                 "status": record.status,
                 "attempts": record.dispatch_count,
-                "total_ms": round((now - self._started) * 1000, 2),
+                "total_ms": None if self.taken_from else round((now - self._started) * 1000, 2),
                 "remote_ms": round((now - self._dispatched_at) * 1000, 2) if self._dispatched_at else None,
                 "diagnostic": self._diagnostic,
+                **({"recovered_from": self.taken_from} if self.taken_from else {}),
             },
         )
 

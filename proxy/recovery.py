@@ -112,6 +112,7 @@ class Recovery:
         self.sweep_every = sweep_every
         self.started_at = utcnow()
         self._healthy_since: datetime | None = None
+        self._silent = False  # a heartbeat failure was logged and none has succeeded since
         self._task: asyncio.Task[None] | None = None
         self.recovered = 0
 
@@ -155,10 +156,15 @@ class Recovery:
             if self._healthy_since is not None:
                 log.warning("heartbeat failed (journal unreachable?): %s; other brokers may take this one's "
                             "in-flight records over after recovery.stale_after", brief(exc))
+                self._silent = True
             self._healthy_since = None
             return
         if self._healthy_since is None:
             self._healthy_since = now
+            if self._silent:  # at the failure's level, so whoever saw it sees this too
+                log.warning("heartbeat written again: the journal answers; this broker judges other brokers' "
+                            "records again after recovery.stale_after (%.0f s) of healthy heartbeats", self.stale_after)
+                self._silent = False
 
     async def sweep(self) -> int:
         """Close every record abandoned by a dead owner; returns how many were closed."""
@@ -198,7 +204,8 @@ class Recovery:
         if record.ended or record.stage not in IN_FLIGHT:
             return False
         entry = InvocationLog(
-            self.journal, identity_of(row), self.owner, record=record, persisted=True, generation=row["generation"]
+            self.journal, identity_of(row), self.owner, record=record, persisted=True, generation=row["generation"],
+            taken_from=row["owner"],
         )
         entry.credential = (row["credential_id"], row["credential_version"], row["injection"])
         for kind, data in closing_events(record):

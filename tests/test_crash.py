@@ -4,6 +4,7 @@ it loses nothing and claims nothing false. Real broker processes, ``kill -9``, r
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import secrets
 import sqlite3
@@ -268,6 +269,27 @@ def test_an_unreachable_journal_fails_closed_and_the_broker_serves_again_when_it
     logs = broker.logs()
     assert "Requests waiting on them were refused" in logs and "journal writes work again" in logs
     assert "journal write failed" not in broker.logs().split("could not be checked against the journal")[-1]
+
+
+def test_a_heartbeat_that_fails_and_comes_back_is_logged_both_times(relayed_pg, make_broker, upstream):
+    """The operator who saw "heartbeat failed" at 3 a.m. also learns, at the same level, when the
+    journal took heartbeats again."""
+    url, relay = relayed_pg
+    broker = _start_on(make_broker, upstream, url, recovery={"heartbeat": "0.3s"}, log={"level": "warning"})
+
+    def logged(text: str) -> None:
+        deadline = time.monotonic() + 15
+        while text not in broker.logs() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert text in broker.logs(), broker.logs()[-3000:]
+
+    relay.cut()
+    logged("heartbeat failed")
+    assert "heartbeat written again" not in broker.logs()
+    relay.restore()
+    logged("heartbeat written again")
+    logs = broker.logs()
+    assert logs.count("heartbeat failed") == 1 and logs.count("heartbeat written again") == 1, "once each, not per beat"
 
 
 def test_after_an_outage_the_broker_saw_only_through_readyz_the_first_request_is_served(relayed_pg, make_broker, upstream):
@@ -607,6 +629,9 @@ def test_a_live_brokers_in_flight_work_is_left_alone_and_a_dead_ones_is_closed(m
     closed = b.wait_for(dead_id, lambda r: r["stage"] == "ended_unknown", timeout=10)
     assert closed["outcome"] == "unknown" and closed["code"] == "REMOTE_OUTCOME_UNKNOWN"
     assert f"invocation {dead_id} was left in flight" in b.logs()
+    [ended] = [line for line in (json.loads(text) for text in b.logs().splitlines() if text.startswith("{"))
+               if line.get("msg") == "invocation ended" and line.get("invocation_id") == dead_id]
+    assert ended["recovered_from"].startswith("broker-a/") and ended["total_ms"] is None, ended
     deadline = time.monotonic() + 10
     while upstream.effects < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
