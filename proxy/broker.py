@@ -654,7 +654,7 @@ class Broker:
         if approval is not None:
             exchange.approval_check = lambda: self._approval_still_valid(approval, entry, req, route)
         reply = await self._run(entry, exchange, req, route)
-        if key is not None and route.idempotency is not None:
+        if key is not None:  # bound, declared contract or not: every answer about it names it
             reply.headers.append((IDEMPOTENCY_KEY_HEADER, key))
         return reply
 

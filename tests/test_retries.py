@@ -196,7 +196,8 @@ def test_without_a_declared_contract_an_unknown_post_needs_reconciliation(broker
         lost = post(client, NO_CONTRACT + "/h/close_after_effect", k)
         again = post(client, NO_CONTRACT + "/h/close_after_effect", k)
     assert check_envelope(lost.content)["error"]["retry"] == "reconcile"
-    assert again.status_code == 409
+    assert lost.headers["affidavit-idempotency-key"] == k, "the first answer names the bound key, as the repeat's does"
+    assert again.status_code == 409 and again.headers["affidavit-idempotency-key"] == k
     refused = check_envelope(again.content)
     assert refused["error"]["code"] == "RECONCILE_REQUIRED" and refused["error"]["outcome"] == "unknown"
     assert refused["evidence"]["dispatch_started"] is True
