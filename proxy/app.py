@@ -211,9 +211,6 @@ async def serve(
         stale_after=settings.recovery.stale_after,
         sweep_every=settings.recovery.sweep_every,
     )
-    # Alive before serving: a sibling's sweep takes an owner without a heartbeat for a dead one,
-    # once its records are stale_after old (a beat that fails here is tried again every heartbeat).
-    await recovery.beat()
 
     listen_host, listen_port = parse_listen(settings.proxy.listen)
     prepare_ca(settings)
@@ -248,6 +245,10 @@ async def serve(
         except NotImplementedError:  # pragma: no cover - non-Unix
             pass
 
+    # Alive before serving, and beating from now on: a sibling's sweep takes an owner without a
+    # heartbeat for a dead one once its records are stale_after old (a beat that fails here is
+    # logged and tried again every heartbeat; this broker sweeps only once it holds its port).
+    await recovery.start_beating()
     api_task = asyncio.create_task(api.serve(sockets=[api_socket]), name="side api")
     logging.getLogger("mitmproxy.addons.proxyserver").addFilter(_ReportedByTheBroker())
     master_task = asyncio.create_task(master.run(), name="mitmproxy")

@@ -1120,7 +1120,7 @@ class Broker:
         if settled.refused is not None and settled.refused.code is Code.JOURNAL_UNAVAILABLE:
             return self._journal_unavailable(entry)
         if settled.refused is not None and settled.refused.code is Code.LEASE_LOST:
-            return self._lease_lost(entry)
+            return self._lease_lost(entry, refused_dispatch=True)  # only dispatch() refuses so: its own write
         self._end(entry, settled, answered=True)
         try:
             await entry.commit()
@@ -1264,17 +1264,16 @@ class Broker:
         retry = retry_hint(entry.record, entry.identity.operation) or Retry.AFTER_CORRECTION
         return self._envelope_reply(entry, code, phase, Outcome.NOT_ATTEMPTED, retry, message)
 
-    def _lease_lost(self, entry: InvocationLog) -> Reply:
+    def _lease_lost(self, entry: InvocationLog, *, refused_dispatch: bool = False) -> Reply:
         """A stale re-send was fenced before dispatch; another broker owns the invocation now.
 
         Nothing can be written to the record by this broker (the fence refuses it), and nothing
         was sent; what is known about the effect is what the record said before this attempt.
+        ``refused_dispatch``: the write the fence refused was this attempt's DISPATCH_STARTED,
+        which the in-memory record counts but proves nothing; only earlier dispatches do.
         """
-        # This attempt's DISPATCH_STARTED, if it got that far, is the write the fence refused:
-        # only an earlier attempt's dispatch says anything about the effect.
-        attempts = entry.record.attempts
-        earlier = any(a.dispatch_seq is not None for a in attempts[:-1])
-        outcome = Outcome.UNKNOWN if earlier else Outcome.NOT_ATTEMPTED
+        earlier = entry.record.dispatch_count - (1 if refused_dispatch else 0)
+        outcome = Outcome.UNKNOWN if earlier > 0 else Outcome.NOT_ATTEMPTED
         body = envelope(
             entry.invocation_id,
             Code.LEASE_LOST,

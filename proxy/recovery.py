@@ -113,11 +113,22 @@ class Recovery:
         self.started_at = utcnow()
         self._healthy_since: datetime | None = None
         self._silent = False  # a heartbeat failure was logged and none has succeeded since
+        self._sweeping = False
         self._task: asyncio.Task[None] | None = None
         self.recovered = 0
 
+    async def start_beating(self) -> None:
+        """Write the first heartbeat now (before the broker listens: a sibling then knows it is
+        alive) and keep beating; sweeps wait for :meth:`start`."""
+        await self.beat()
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="affidavit recovery")
+
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="affidavit recovery")
+        """Sweep too, from now on (once this broker holds its port: see the module's docstring)."""
+        self._sweeping = True
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="affidavit recovery")
 
     async def close(self) -> None:
         if self._task is not None:
@@ -129,7 +140,7 @@ class Recovery:
         loop = asyncio.get_running_loop()
         while True:
             await self.beat()
-            if loop.time() >= next_sweep and self._healthy_since is not None:
+            if self._sweeping and loop.time() >= next_sweep and self._healthy_since is not None:
                 try:
                     await self.sweep()
                 except Exception as exc:  # the next round tries again
@@ -141,7 +152,8 @@ class Recovery:
         now = utcnow()
         try:
             await failpoint("heartbeat")
-            async with self.engine.begin() as conn:
+            # Bounded: a database that hangs must not stall a start (or the loop) for ever.
+            async with asyncio.timeout(max(self.heartbeat, 5.0)), self.engine.begin() as conn:
                 # PostgreSQL stamps heartbeats with its own clock, so brokers on hosts whose clocks
                 # disagree still judge each other fairly (SQLite is one host anyway).
                 stamp = func.now() if conn.dialect.name == "postgresql" else now
@@ -153,9 +165,9 @@ class Recovery:
                     )
                 )
         except Exception as exc:
-            if self._healthy_since is not None:
+            if not self._silent:
                 log.warning("heartbeat failed (journal unreachable?): %s; other brokers may take this one's "
-                            "in-flight records over after recovery.stale_after", brief(exc))
+                            "in-flight records over after recovery.stale_after", brief(exc) or type(exc).__name__)
                 self._silent = True
             self._healthy_since = None
             return
@@ -176,10 +188,13 @@ class Recovery:
             horizon = timedelta(seconds=self.stale_after)
             cutoff = func.now() - horizon if self.engine.dialect.name == "postgresql" else now - horizon
             alive = select(brokers.c.owner).where(brokers.c.heartbeat_at > cutoff)
-            # Dead: no recent heartbeat, and the record itself untouched as long. An owner that
-            # has no heartbeat row yet is one that is starting (its first beat may be slow, or
-            # fail), not one that stopped: its fresh records are its own.
-            conditions.append(and_(c.owner != self.owner, c.owner.not_in(alive), c.updated_at < cutoff))
+            # Dead: no recent heartbeat. An owner with no heartbeat row at all may be one that is
+            # starting (its first beat slow, or failing), not one that stopped: its records are
+            # taken only once they too are stale_after old. (Judged by its own clock, which wrote
+            # updated_at; an owner that has beaten is judged by the database's clock alone.)
+            beaten = select(brokers.c.owner)
+            conditions.append(and_(c.owner != self.owner, c.owner.not_in(alive),
+                                   or_(c.owner.in_(beaten), c.updated_at < cutoff)))
         query = (
             select(invocations)
             .where(and_(c.stage.in_([s.value for s in IN_FLIGHT]), or_(*conditions)))

@@ -111,12 +111,17 @@ _OVERLONG = re.compile(rb"[\xc0\xc1][\x80-\xbf]|\xe0[\x80-\x9f][\x80-\xbf]|\xf0[
 _DOTS = re.compile(r"\.+[\s.]*")
 
 
+def _iis(found: re.Match[str]) -> str:
+    code = int(found.group(1), 16)
+    return "\ufffd" if 0xD800 <= code <= 0xDFFF else chr(code)  # half a UTF-16 pair: no character
+
+
 def _overlong(found: re.Match[bytes]) -> bytes:
     raw = found.group()
     code = raw[0] & (0x1F if len(raw) == 2 else 0x0F if len(raw) == 3 else 0x07)
     for byte in raw[1:]:
         code = code << 6 | byte & 0x3F
-    return chr(code).encode()
+    return chr(code).encode("utf-8", "replace")  # a surrogate it spells is no character either
 
 
 def hides_a_dot_segment(segment: str) -> bool:
@@ -128,7 +133,7 @@ def hides_a_dot_segment(segment: str) -> bool:
     spaces or dots dropped."""
     decoded = fully_decoded(segment)
     if "%u" in decoded or "%U" in decoded:
-        decoded = _IIS_ESCAPE.sub(lambda found: chr(int(found.group(1), 16)), decoded)
+        decoded = _IIS_ESCAPE.sub(_iis, decoded)
     if not decoded.isascii():
         raw = decoded.encode("utf-8", "surrogateescape")
         decoded = unicodedata.normalize("NFKC", _OVERLONG.sub(_overlong, raw).decode("utf-8", "replace"))

@@ -54,6 +54,7 @@ class Worker:
         self.env = env
         self.ready = threading.Event()
         self.process: subprocess.Popen[str] | None = None
+        self.relay: threading.Thread | None = None
         #: Restarts in a row that ended before the worker was ready.
         self.failed_starts = 0
         #: When a worker that is down starts again (monotonic), else None.
@@ -62,7 +63,8 @@ class Worker:
     def start(self) -> None:
         self.ready.clear()
         self.process = subprocess.Popen(self.argv, env=self.env, stdout=subprocess.PIPE, text=True, bufsize=1)
-        threading.Thread(target=self._relay, args=(self.process,), daemon=True).start()
+        self.relay = threading.Thread(target=self._relay, args=(self.process,), daemon=True)
+        self.relay.start()
 
     def _relay(self, process: subprocess.Popen[str]) -> None:
         """Pass the worker's stdout on, and notice its ready line."""
@@ -180,6 +182,8 @@ def _watch(pool: list[Worker], stopping: threading.Event, metrics_dir: str) -> i
                     worker.failed_starts = 0
                 continue
             multiprocess.mark_process_dead(worker.process.pid, metrics_dir)
+            if worker.relay is not None:  # its last lines (a ready line among them) are read first
+                worker.relay.join(timeout=1.0)
             pid, how = worker.process.pid, _exit_of(code)
             if not worker.ready.is_set():  # this restart never served: wait, then try again
                 worker.failed_starts += 1

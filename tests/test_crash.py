@@ -644,14 +644,15 @@ def test_a_broker_with_no_heartbeat_yet_keeps_its_fresh_records(make_broker, ups
     """A broker that has not written a heartbeat (its first one failed, or it is starting) is not
     taken for dead while its records are fresh: a sibling closed them at once, and the caller of
     a request the upstream answered got RESULT_STORE_FAILED while the record said unknown."""
-    b = make_broker("postgresql", routes=crash_routes(upstream), recovery={**FAST_RECOVERY, "instance": "broker-b"})
-    a = make_broker(routes=crash_routes(upstream), like=b, recovery={**FAST_RECOVERY, "instance": "broker-a"},
+    patient = {**FAST_RECOVERY, "stale_after": "3s"}  # ample next to the 0.6 s exchange, on a loaded machine
+    b = make_broker("postgresql", routes=crash_routes(upstream), recovery={**patient, "instance": "broker-b"})
+    a = make_broker(routes=crash_routes(upstream), like=b, recovery={**patient, "instance": "broker-a"},
                     env={"AFFIDAVIT_FAILPOINTS": "heartbeat=raise"})
-    time.sleep(2.0)  # b has been healthy for longer than stale_after: it now judges other brokers
+    time.sleep(3.5)  # b has been healthy for longer than stale_after: it now judges other brokers
     assert query(b.database_url, "SELECT count(*) FROM brokers WHERE instance = 'broker-a'") == [('0',)]
     assert query(b.database_url, "SELECT count(*) FROM brokers WHERE instance = 'broker-b'") == [('1',)]
 
-    # b sweeps every 0.3 s while the exchange is in flight, well within stale_after (1.5 s).
+    # b sweeps every 0.3 s while the exchange is in flight, well within stale_after (3 s).
     fresh = _post_in_background(a, CRASH + "/h/slow?delay=0.6&n=fresh")
     fresh_id = _record_for(a, "fresh")
     answer = fresh.result(timeout=15)

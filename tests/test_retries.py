@@ -367,6 +367,26 @@ def test_a_stale_lease_holder_is_fenced_before_it_dispatches(make_broker, upstre
     assert record["retry_budget"]["used"] == 2
 
 
+@pytest.mark.parametrize(("dispatches", "refused_dispatch", "outcome"), [
+    (0, False, "not_attempted"),  # fenced before any dispatch (a first attempt's hold, say)
+    (1, True, "not_attempted"),  # the one dispatch counted is the refused write itself
+    (1, False, "unknown"),  # an earlier attempt was dispatched; this one was fenced at its hold
+    (2, True, "unknown"),
+])
+def test_lease_lost_says_what_earlier_attempts_prove(dispatches, refused_dispatch, outcome):
+    """Both places a fence refuses: at dispatch (the record in memory holds the refused
+    DISPATCH_STARTED) and at a re-send's hold for approval (it does not)."""
+    from types import SimpleNamespace
+
+    from proxy.broker import Broker
+    from proxy.contract import Record
+
+    entry = SimpleNamespace(invocation_id="act_" + "0" * 26, record=Record(dispatch_count=dispatches))
+    reply = Broker._lease_lost(None, entry, refused_dispatch=refused_dispatch)  # type: ignore[arg-type]
+    assert dict(reply.headers)["Affidavit-Outcome"] == outcome
+    assert check_envelope(reply.body)["error"]["outcome"] == outcome
+
+
 def test_a_lease_that_ran_out_fences_its_holder_even_without_a_competitor(make_broker, upstream):
     routes = retry_routes(upstream)
     slow = make_broker("postgresql", routes=routes, env={"AFFIDAVIT_FAILPOINTS": "after_lease=pause:1.5@1"}, proxy={"retry_lease": "0.5s"})

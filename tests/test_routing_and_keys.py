@@ -221,6 +221,8 @@ def test_a_path_whose_lenient_reading_the_glob_allows_too_is_served(broker, upst
     "/files/main...feature.json",  # dots inside a name are no segment of their own
     "/files/.well-known.json",
     "/files/%e9t%e9.json",  # Latin-1 bytes, not UTF-8: nothing a decoder reads as a dot
+    "/files/%ud800.json",  # half a UTF-16 pair in IIS's escape: no character, and no crash
+    "/files/%f0%8d%a0%80.json",  # an overlong surrogate
 ])
 def test_a_path_that_only_resembles_a_dot_segment_is_served_as_written(broker, upstream, path):
     with broker.client() as client:
@@ -235,6 +237,7 @@ def test_a_path_that_only_resembles_a_dot_segment_is_served_as_written(broker, u
     ("%ef%bc%8e%ef%bc%8e%ef%bc%8fadmin", True), ("..%ef%bc%bcadmin", True), ("..;x", True), ("%2e%2e%00x", True),
     ("ok", False), ("a.b", False), ("..a", False), ("x..", False), ("main...feature", False), ("caf%C3%A9", False),
     ("%e9t%e9", False), ("%ff%fe", False), ("%c3%28", False), ("%u0041", False), ("%uzzzz", False),
+    ("%ud800", False), ("%uDFFF%u002e", False), ("%25ud800", False), ("%f0%8d%a0%80", False), ("%ed%a0%80", False),
 ])
 def test_the_readings_of_a_segment_that_hide_a_dot_segment(segment, hides):
     """Each reading some server applies (decoding twice, IIS's %u, overlong UTF-8, Unicode
