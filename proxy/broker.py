@@ -592,6 +592,14 @@ class Broker:
         return entry
 
     async def _attempt(self, entry: InvocationLog, req: AgentRequest, route: Route, key: str | None, generated: bool) -> Reply:
+        """One attempt (:meth:`_one_attempt`); its key is bound by now, so every answer names it
+        (a denial, an approval's timeout and a credential refusal included)."""
+        reply = await self._one_attempt(entry, req, route, key, generated)
+        if key is not None and not any(name == IDEMPOTENCY_KEY_HEADER for name, _ in reply.headers):
+            reply.headers.append((IDEMPOTENCY_KEY_HEADER, key))
+        return reply
+
+    async def _one_attempt(self, entry: InvocationLog, req: AgentRequest, route: Route, key: str | None, generated: bool) -> Reply:
         """Approval (if the route wants one), credential, then the exchange: one attempt."""
         approval: dict[str, Any] | None = None
         if route.approval:
@@ -653,10 +661,7 @@ class Broker:
         exchange = _Exchange(self, entry, request, needles)
         if approval is not None:
             exchange.approval_check = lambda: self._approval_still_valid(approval, entry, req, route)
-        reply = await self._run(entry, exchange, req, route)
-        if key is not None:  # bound, declared contract or not: every answer about it names it
-            reply.headers.append((IDEMPOTENCY_KEY_HEADER, key))
-        return reply
+        return await self._run(entry, exchange, req, route)
 
     # -- repeats of a keyed operation -------------------------------------------------------
 

@@ -314,6 +314,9 @@ def test_a_denied_request_is_not_attempted_and_sends_nothing(broker, upstream):
     assert response.status_code == 403
     assert (envelope["error"]["code"], envelope["error"]["phase"], envelope["error"]["outcome"]) == (
         "APPROVAL_DENIED", "credential_injection", "not_attempted")
+    generated = envelope["evidence"]["idempotency"]["key"]
+    assert generated.startswith("afk_") and response.headers["affidavit-idempotency-key"] == generated, (
+        "the key the broker made is named, so the agent can repeat under it")
     assert sent(upstream) == []
     # The agent was handed the denial: its wait completed (not "waiting" for ever).
     record = broker.wait_for(card["invocation_id"], lambda r: r["caller_disposition"] != "waiting", timeout=5)
@@ -361,6 +364,7 @@ def test_no_decision_in_time_is_not_attempted_with_the_reason(make_broker, upstr
     envelope = check_envelope(response.content)
     assert response.status_code == 409 and envelope["error"]["code"] == "APPROVAL_REQUIRED"
     assert envelope["error"]["outcome"] == "not_attempted" and "approval" in envelope["error"]["message"]
+    assert response.headers["affidavit-idempotency-key"] == envelope["evidence"]["idempotency"]["key"]
     assert 0.9 < time.monotonic() - started < 10
     assert sent(upstream) == []
 
