@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -67,7 +68,11 @@ def _no_endpoint(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     (405), as a problem document like every other error of the API."""
     asked = f"{request.method} {shown(request.url.path)}"
     if exc.status_code == 405:
-        allowed = (exc.headers or {}).get("Allow", "")
+        # Every route on this path (GET and HEAD are two for the health probes), not only the
+        # first that Starlette matched.
+        methods = {m for route in request.app.router.routes
+                   if route.matches(request.scope)[0] is not Match.NONE for m in getattr(route, "methods", None) or ()}
+        allowed = ", ".join(sorted(methods)) or (exc.headers or {}).get("Allow", "")
         return _problem(405, "Method Not Allowed", f"{asked}: this endpoint takes only {allowed}. See docs/api.md.",
                         {"Allow": allowed})
     return _problem(404, "Not Found", f"{asked}: the side API has no such endpoint (the paths are listed at "

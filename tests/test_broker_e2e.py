@@ -440,6 +440,9 @@ def test_side_api_unknown_paths_and_methods_get_problem_documents(broker: Broker
             assert answer.status_code == 405 and answer.headers["allow"] == "GET"
             assert answer.headers["content-type"] == "application/problem+json"
             assert answer.json()["detail"] == "DELETE /v1/invocations: this endpoint takes only GET. See docs/api.md."
+            answer = _seen(api.post("/healthz"))  # two routes on one path: both methods are named
+            assert answer.status_code == 405 and answer.headers["allow"] == "GET, HEAD", answer.headers
+            assert answer.json()["detail"] == "POST /healthz: this endpoint takes only GET, HEAD. See docs/api.md."
 
 
 def test_the_health_endpoints_answer_head_as_get_without_a_body(broker: BrokerProcess):
