@@ -189,6 +189,29 @@ def test_a_worker_that_fails_to_start_stops_the_start(pg_url, make_broker, upstr
         assert probe.connect_ex(("127.0.0.1", broker.proxy_port)) != 0, "no worker is left listening"
 
 
+def test_a_starting_worker_has_a_heartbeat_before_it_serves(pg_url, make_broker, upstream):
+    """A worker takes connections on the shared port before it is ready; its siblings' sweeps
+    must see it alive by then, or they take its fresh records for a dead broker's."""
+    broker = make_broker(db_url=pg_url, start=False, env={"AFFIDAVIT_FAILPOINTS": "worker_start=pause:8"})
+    assert broker.command("db", "upgrade").returncode == 0
+    proc = subprocess.Popen([AFFIDAVIT, "run", "--config", str(broker.config_path), "--workers", "2"], cwd=broker.workdir,
+                            env=broker._env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # listening: paused at worker_start, not ready
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", broker.proxy_port)) == 0:
+                    break
+            assert proc.poll() is None
+            time.sleep(0.1)
+        time.sleep(1.0)  # both workers are at the pause by now (each listens first)
+        rows = query(broker.database_url, "SELECT instance FROM brokers")
+        assert sorted(r[0][-3:] for r in rows) == ["#w0", "#w1"], rows
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+
+
 def test_the_workers_option_overrides_the_file_and_one_worker_is_the_plain_broker(make_broker, upstream):
     broker = make_broker(proxy={"workers": 1})
     assert "workers share these ports" not in broker.logs()
