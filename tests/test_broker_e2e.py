@@ -445,6 +445,16 @@ def test_side_api_unknown_paths_and_methods_get_problem_documents(broker: Broker
             assert answer.json()["detail"] == "POST /healthz: this endpoint takes only GET, HEAD. See docs/api.md."
 
 
+def test_an_unknown_id_is_answered_without_echoing_it_whole(broker: BrokerProcess):
+    """A 20 KB id, or one with a line break, is named in the 404 cut and escaped, not repeated."""
+    with broker.operator() as api:
+        for invocation_id, shown in (("act_" + "x" * 20000, "act_" + "x" * 96 + "..."), ("act_a%0Ab", "act_a\\nb")):
+            answer = _seen(api.get(f"/v1/invocations/{invocation_id}"))
+            assert answer.status_code == 404 and answer.headers["content-type"] == "application/problem+json"
+            detail = answer.json()["detail"]
+            assert len(detail) < 300 and f"No invocation '{shown}' is visible" in detail, detail
+
+
 def test_the_health_endpoints_answer_head_as_get_without_a_body(broker: BrokerProcess):
     """Load balancers and uptime checks often probe with HEAD: the same status and headers as
     GET, and no body (curl would complain of bytes after a HEAD answer)."""
