@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from tests.support.broker import Agent, BrokerProcess, free_port
+from tests.support.broker import Agent, BrokerProcess, free_ports
 from tests.support.canaries import CANARIES
 from tests.support.certs import TestPKI
 from tests.support.hostile import HostileUpstream
@@ -173,9 +173,10 @@ def standard_routes(up: HostileUpstream) -> list[dict[str, Any]]:
 
 
 def make_config(workdir: Path, db_url: str, pki: TestPKI, routes: list[dict[str, Any]], **sections: Any) -> dict[str, Any]:
+    proxy_port, api_port = free_ports(2)
     config: dict[str, Any] = {
-        "proxy": {"listen": f"127.0.0.1:{free_port()}", "confdir": str(workdir / "conf")},
-        "api": {"listen": f"127.0.0.1:{free_port()}", "operator_token": "env:AFFIDAVIT_TEST_OPERATOR"},
+        "proxy": {"listen": f"127.0.0.1:{proxy_port}", "confdir": str(workdir / "conf")},
+        "api": {"listen": f"127.0.0.1:{api_port}", "operator_token": "env:AFFIDAVIT_TEST_OPERATOR"},
         "database": {"url": db_url},
         "upstream": {"ca_bundle": pki.ca_cert, "connect_timeout": "3s", "response_timeout": "10s", "result_horizon": "30s"},
         "agents": [

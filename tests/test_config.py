@@ -11,7 +11,7 @@ import pytest
 
 from proxy.app import redact_url
 from proxy.config import ConfigError, load_settings, parse_duration
-from tests.support.broker import AFFIDAVIT, free_port
+from tests.support.broker import AFFIDAVIT, free_port, free_ports
 
 GOOD = """
 [proxy]
@@ -46,7 +46,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def good(tmp_path: Path, **extra: str) -> str:
-    return GOOD.format(port=free_port(), api_port=free_port(), db=tmp_path / "j.db", **extra)
+    return GOOD.format(**dict(zip(("port", "api_port"), free_ports(2))), db=tmp_path / "j.db", **extra)
 
 
 def test_a_good_file_loads_with_typed_values(tmp_path):
@@ -95,7 +95,7 @@ def test_the_environment_overrides_the_file(tmp_path, monkeypatch):
 )
 def test_a_bad_value_names_file_key_and_reason(tmp_path, mutation, key, reason):
     text = GOOD.replace(*mutation) if mutation[0] != 'port = 443' else GOOD.replace('agents = ["builder"]', 'agents = ["nobody"]')
-    path = write(tmp_path, text.format(port=free_port(), api_port=free_port(), db=tmp_path / "j.db"))
+    path = write(tmp_path, text.format(**dict(zip(("port", "api_port"), free_ports(2))), db=tmp_path / "j.db"))
     with pytest.raises(ConfigError) as caught:
         load_settings(path)
     message = str(caught.value)
@@ -180,7 +180,7 @@ def _listening(port: int) -> bool:
 
 
 def test_affidavit_run_refuses_a_bad_config_and_listens_on_nothing(tmp_path):
-    port, api_port = free_port(), free_port()
+    port, api_port = free_ports(2)
     text = GOOD.replace('agents = ["builder"]', 'agents = ["nobody"]').format(port=port, api_port=api_port, db=tmp_path / "j.db")
     path = write(tmp_path, text)
     done = subprocess.run([AFFIDAVIT, "run", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
@@ -211,7 +211,7 @@ def test_affidavit_run_refuses_a_missing_token(tmp_path):
 
 @pytest.mark.parametrize("taken", ["proxy", "api"])
 def test_affidavit_run_on_a_taken_port_says_which_and_exits(tmp_path, taken):
-    port, api_port = free_port(), free_port()
+    port, api_port = free_ports(2)
     path = write(tmp_path, GOOD.format(port=port, api_port=api_port, db=tmp_path / "j.db"))
     env = {"PATH": "/usr/bin:/bin", "BUILDER_TOKEN": "t" * 24, "PAYMENTS_KEY": "x", "HOME": str(tmp_path)}
     holder = socket.socket()
@@ -235,7 +235,7 @@ def test_affidavit_run_on_a_taken_port_says_which_and_exits(tmp_path, taken):
 def test_affidavit_run_without_uvloop_says_what_to_do_and_touches_nothing(tmp_path):
     """Where uvloop cannot be imported (Windows, a broken install), the default event loop is refused
     at start, before the journal is opened, with both ways out; `event_loop = "asyncio"` starts."""
-    port, api_port = free_port(), free_port()
+    port, api_port = free_ports(2)
     config = GOOD.format(port=port, api_port=api_port, db=tmp_path / "j.db")
     path = write(tmp_path, config)
     shadow = tmp_path / "shadow" / "uvloop"
@@ -320,8 +320,9 @@ def test_a_sqlite_url_that_names_no_file_it_can_hold_is_said_so_by_every_command
     (tmp_path / "journal").mkdir()
     path = tmp_path / "journal" if where == "a directory" else tmp_path / "nowhere" / "journal.db"
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")}
-    env |= {"AFFIDAVIT_DATABASE__URL": f"sqlite+aiosqlite:///{path}", "AFFIDAVIT_PROXY__LISTEN": f"127.0.0.1:{free_port()}",
-            "AFFIDAVIT_API__LISTEN": f"127.0.0.1:{free_port()}"}
+    proxy_port, api_port = free_ports(2)
+    env |= {"AFFIDAVIT_DATABASE__URL": f"sqlite+aiosqlite:///{path}", "AFFIDAVIT_PROXY__LISTEN": f"127.0.0.1:{proxy_port}",
+            "AFFIDAVIT_API__LISTEN": f"127.0.0.1:{api_port}"}
     done = subprocess.run([AFFIDAVIT, *command], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
     assert done.returncode == 1, (done.returncode, done.stderr)
     said = "is a directory; the journal is a file" if where == "a directory" else f"the directory of {path} does not exist"

@@ -44,7 +44,7 @@ import yaml
 from sqlalchemy.engine import make_url
 
 from proxy.config import load_settings, parse_duration
-from tests.support.broker import AFFIDAVIT, free_port
+from tests.support.broker import AFFIDAVIT, free_port, free_ports
 from tests.support.certs import TestPKI
 from tests.support.hostile import HostileUpstream
 from tests.support.journal import dispatched_ids, query
@@ -801,8 +801,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, pki: TestPKI, upstream_serve
             env = service_env(stack, service)
             # Containers have an address each; here the replicas share 127.0.0.1, so new ports.
             assert env["AFFIDAVIT_PROXY__LISTEN"].startswith("0.0.0.0:") and env["AFFIDAVIT_API__LISTEN"].startswith("0.0.0.0:")
+            proxy_port, api_port = free_ports(2)
             broker = Container(name, service_argv(stack, service), env, Path(stack.host(DATA)), root / f"{name}.log",
-                               proxy_port=free_port(), api_port=free_port())
+                               proxy_port=proxy_port, api_port=api_port)
             env["AFFIDAVIT_PROXY__LISTEN"] = f"127.0.0.1:{broker.proxy_port}"
             env["AFFIDAVIT_API__LISTEN"] = f"127.0.0.1:{broker.api_port}"
             with broker.log.open("ab") as log:
@@ -906,7 +907,7 @@ def test_image_healthcheck_command_works(stack: Stack):
 def test_haproxy_gives_one_port_for_both_replicas(stack: Stack, upstream: HostileUpstream, tmp_path: Path):
     """deploy/haproxy.cfg as is, but for the addresses: broker-X:port -> 127.0.0.1:its port."""
     text = (DEPLOY / "haproxy.cfg").read_text()
-    proxy_port, api_port = free_port(), free_port()
+    proxy_port, api_port = free_ports(2)
     text = text.replace("bind :8080", f"bind 127.0.0.1:{proxy_port}").replace("bind :8081", f"bind 127.0.0.1:{api_port}")
     for name, broker in stack.brokers.items():
         text = text.replace(f"{name}:8080 port 8081", f"127.0.0.1:{broker.proxy_port} port {broker.api_port}")

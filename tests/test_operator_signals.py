@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import make_url
 
 from proxy.contract import Code, Outcome, Phase
-from tests.support.broker import AFFIDAVIT, BROKER_COMMAND, BrokerProcess, free_port
+from tests.support.broker import AFFIDAVIT, BROKER_COMMAND, BrokerProcess, free_port, free_ports
 from tests.support.canaries import CANARIES
 from tests.support.envelopes import check_envelope
 from tests.support.hostile import HostileUpstream
@@ -457,7 +457,7 @@ def test_run_example_in_an_empty_directory(example_dir: Path, ports: str):
         proxy_listen, api_listen = "127.0.0.1:8080", "127.0.0.1:8081"
         env = clean_env()
     else:  # "Every value can be overridden with AFFIDAVIT_* variables" (the example's header)
-        proxy_listen, api_listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        proxy_listen, api_listen = (f"127.0.0.1:{port}" for port in free_ports(2))
         env = clean_env(AFFIDAVIT_PROXY__LISTEN=proxy_listen, AFFIDAVIT_API__LISTEN=api_listen)
     assert list(example_dir.iterdir()) == []
     out, err = example_dir.parent / f"run-{ports}.out", example_dir.parent / f"run-{ports}.err"

@@ -221,10 +221,11 @@ def test_the_workers_option_overrides_the_file_and_one_worker_is_the_plain_broke
 
 
 def test_without_a_configuration_file_the_defaults_notice_is_said_once_not_per_worker(tmp_path):
-    from tests.support.broker import free_port
+    from tests.support.broker import free_ports
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("AFFIDAVIT_")}
-    env.update(AFFIDAVIT_PROXY__LISTEN=f"127.0.0.1:{free_port()}", AFFIDAVIT_API__LISTEN=f"127.0.0.1:{free_port()}")
+    proxy_port, api_port = free_ports(2)
+    env.update(AFFIDAVIT_PROXY__LISTEN=f"127.0.0.1:{proxy_port}", AFFIDAVIT_API__LISTEN=f"127.0.0.1:{api_port}")
     proc = subprocess.Popen([AFFIDAVIT, "run", "--workers", "2"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: list[str] = []

@@ -49,6 +49,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` different free ports: each is held while the next is picked (two calls of
+    :func:`free_port` can return the same one, and a broker's proxy and API then clash)."""
+    held = [socket.socket() for _ in range(count)]
+    try:
+        for s in held:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in held]
+    finally:
+        for s in held:
+            s.close()
+
+
 class _PortTaken(Exception):
     """The broker's first start found a listen port taken."""
 
@@ -136,8 +149,8 @@ class BrokerProcess:
             try:
                 return self._start(timeout)
             except _PortTaken:
-                for section in ("proxy", "api"):
-                    self.config[section]["listen"] = f"127.0.0.1:{free_port()}"
+                for section, port in zip(("proxy", "api"), free_ports(2)):
+                    self.config[section]["listen"] = f"127.0.0.1:{port}"
                 self.config_path.write_text(tomli_w.dumps(self.config))
         return self._start(timeout)
 
