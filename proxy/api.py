@@ -394,8 +394,8 @@ def create_app(
 
     # HEAD too, as GET without the body: load balancers and uptime checks often probe with it.
     # Not in the OpenAPI document, which would list each as an endpoint of its own.
-    for probe in (healthz, readyz):
-        app.add_api_route(f"/{probe.__name__}", probe, methods=["HEAD"], include_in_schema=False)
+    for path, probe in (("/healthz", healthz), ("/readyz", readyz)):
+        app.add_api_route(path, probe, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/metrics", tags=["health"], summary="Prometheus metrics (operator)", responses=answers(401, 403),
              response_class=PlainTextResponse)

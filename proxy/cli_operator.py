@@ -75,18 +75,15 @@ def ring_of(settings: Settings) -> KeyRing:
 def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
     """Run ``work(engine)`` against the configured journal; a database error is one clear line.
     A SQLite journal that does not exist is said so (connecting would create an empty file)."""
-    from sqlalchemy.engine import make_url
+    from .store.migrate import sqlite_file, sqlite_file_problem
 
-    from .store.migrate import sqlite_file_problem
-
-    url = make_url(settings.database.url)
-    uri = url.query.get("uri") in ("true", "1") or (url.database or "").startswith("file:")
+    database = sqlite_file(settings.database.url)
     if (problem := sqlite_file_problem(settings.database.url)) is not None:
-        typer.echo(f"affidavit: database.url {url.database}: {problem}", err=True)
+        typer.echo(f"affidavit: database.url {database}: {problem}", err=True)
         raise typer.Exit(1)
-    if url.get_backend_name() == "sqlite" and url.database and not uri and not Path(url.database).is_file():
+    if database is not None and not Path(database).is_file():
         typer.echo(
-            f"affidavit: no journal at {url.database}: nothing was recorded there, or this is not the "
+            f"affidavit: no journal at {database}: nothing was recorded there, or this is not the "
             "broker's directory; run it there or pass --config",
             err=True,
         )

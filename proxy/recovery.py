@@ -3,10 +3,10 @@
 Each broker process is an *owner* ``<instance>/<incarnation>``; the instance is the host and the
 proxy's listen address, so a restarted broker knows its earlier incarnations are dead (it holds
 their port now) and recovers their work at once. Work of other instances is recovered only once
-their heartbeat has been silent for ``stale_after``, and the record untouched as long, while this
-broker's own journal connection was healthy all that time (a database outage silences every
-heartbeat at once; it proves nothing). A broker beats once before it serves, so its siblings know
-it is alive before it writes its first record.
+their heartbeat has been silent for ``stale_after`` while this broker's own journal connection
+was healthy all that time (a database outage silences every heartbeat at once; it proves nothing);
+an owner that never wrote a heartbeat, only once its record is that old too. A broker beats before
+it serves and on through its start-up, so its siblings know it is alive before it writes a record.
 
 Recovery appends; it never rewrites. What it appends follows the contract:
 
@@ -121,12 +121,14 @@ class Recovery:
         """Write the first heartbeat now (before the broker listens: a sibling then knows it is
         alive) and keep beating; sweeps wait for :meth:`start`."""
         await self.beat()
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="affidavit recovery")
+        self._keep_beating()
 
     async def start(self) -> None:
         """Sweep too, from now on (once this broker holds its port: see the module's docstring)."""
         self._sweeping = True
+        self._keep_beating()
+
+    def _keep_beating(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="affidavit recovery")
 

@@ -40,19 +40,27 @@ def connect_args(url: str) -> dict[str, float]:
     return {"timeout": CONNECT_TIMEOUT} if url.startswith("postgresql") else {}
 
 
-def sqlite_file_problem(url: str) -> str | None:
-    """Why the SQLite journal file at ``url`` cannot be opened (a directory, or a directory that
-    does not exist), said before SQLite says only "unable to open database file"; None for
-    PostgreSQL, a ``file:`` URI, or a path that can hold the journal."""
-    from pathlib import Path
-
+def sqlite_file(url: str) -> str | None:
+    """The path of the SQLite file ``url`` names, as written; None for PostgreSQL, an in-memory
+    database or a ``file:`` URI (SQLite reads those itself)."""
     from sqlalchemy.engine import make_url
 
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database.startswith("file:") \
             or parsed.query.get("uri") in ("true", "1"):
         return None
-    path = Path(parsed.database).absolute()
+    return parsed.database
+
+
+def sqlite_file_problem(url: str) -> str | None:
+    """Why the SQLite journal file at ``url`` cannot be opened (a directory, or a directory that
+    does not exist), said before SQLite says only "unable to open database file"; None for
+    PostgreSQL, a ``file:`` URI, or a path that can hold the journal."""
+    from pathlib import Path
+
+    if (database := sqlite_file(url)) is None:
+        return None
+    path = Path(database).absolute()
     if path.is_dir():
         return f"{path} is a directory; the journal is a file, such as {path / 'affidavit.db'}"
     if not path.parent.is_dir():
