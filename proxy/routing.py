@@ -102,7 +102,7 @@ def as_an_upstream_may_read(path: str) -> str:
 
 
 #: IIS's own escape, ``%u002e``: one UTF-16 code unit.
-_IIS_ESCAPE = re.compile("%u([0-9a-fA-F]{4})")
+_IIS_ESCAPE = re.compile("%[uU]([0-9a-fA-F]{4})")
 #: An overlong UTF-8 sequence (``%c0%ae`` is ``.`` in two bytes): invalid UTF-8, which a lenient
 #: decoder still reads as the character its bits spell.
 _OVERLONG = re.compile(rb"[\xc0\xc1][\x80-\xbf]|\xe0[\x80-\x9f][\x80-\xbf]|\xf0[\x80-\x8f][\x80-\xbf]{2}")
