@@ -347,7 +347,11 @@ def create_app(
                         "put the key it was stored under back in [crypto] keys (docs/vault.md, key rotation).")
 
     async def principal(request: Request) -> Principal:  # async: no thread hop per request
-        header = request.headers.get("authorization", "")
+        given_headers = request.headers.getlist("authorization")
+        if len(given_headers) > 1:  # one field only (RFC 9110 11.6.2): which one counts is not the broker's guess
+            raise ApiError(400, "Bad Request", f"The call carries {len(given_headers)} Authorization headers; send "
+                           "exactly one: 'Authorization: Bearer <agent or operator token>'.")
+        header = given_headers[0] if given_headers else ""
         scheme, _, credential = header.partition(" ")
         if scheme.lower() != "bearer" or not credential:
             raise ApiError(401, "Unauthorized", "Send 'Authorization: Bearer <agent or operator token>'.",

@@ -575,6 +575,25 @@ def test_a_malformed_call_without_the_right_token_is_refused_for_the_token_not_t
                 assert answer.status_code == 401 and "WWW-Authenticate" in answer.headers, (who, answer.text)
 
 
+def test_a_call_with_two_authorization_headers_is_refused_whichever_comes_first(broker: BrokerProcess, upstream: HostileUpstream):
+    """Which of two tokens counts would be the broker's guess (an agent's and the operator's, say):
+    the call is refused, with nothing read or changed, and one token alone still works."""
+    agent = broker.agents["builder"].token
+    pairs = ((agent, broker.operator_token), (broker.operator_token, agent), (agent, "not-a-token"))
+    with httpx.Client(base_url=broker.api_url, timeout=10) as anyone:
+        for first, second in pairs:
+            headers = [("Authorization", f"Bearer {first}"), ("Authorization", f"Bearer {second}")]
+            for method, path in (("GET", "/v1/invocations"), ("POST", "/v1/approvals/act_nope")):
+                answer = _seen(anyone.request(method, path, headers=headers, json={"decision": "deny"}))
+                assert answer.status_code == 400, (first == agent, method, path, answer.text)
+                assert answer.headers["content-type"] == "application/problem+json"
+                assert "2 Authorization headers" in answer.json()["detail"]
+                assert agent not in answer.text and broker.operator_token not in answer.text
+        for token in (agent, broker.operator_token):
+            answer = _seen(anyone.get("/v1/invocations/act_nope", headers={"Authorization": f"Bearer {token}"}))
+            assert answer.status_code == 404, answer.text  # past the token check
+
+
 def test_an_oversized_api_body_is_refused_before_it_is_read(broker: BrokerProcess, upstream: HostileUpstream):
     """The largest valid body is a few KiB; FastAPI would read any body whole into memory, before it
     looks at the token."""
