@@ -23,6 +23,7 @@ journal, which already serves several brokers (leases, fencing, recovery).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -35,7 +36,11 @@ import time
 from collections import deque
 from pathlib import Path
 
+from . import logs
 from .config import Settings, parse_listen
+
+#: What happens to the workers while they serve: JSON lines with a timestamp, as the workers' own.
+log = logging.getLogger("affidavit.workers")
 
 READY_PREFIX = "affidavit: worker "
 #: Serving workers that died this often within ``CRASH_WINDOW`` seconds stop the broker.
@@ -108,6 +113,7 @@ def supervise(settings: Settings, config: Path | None, workers: int, announce=pr
     """Run ``workers`` broker processes until a signal; the exit status of the whole broker."""
     from .app import StartupError, banner, prepare_ca
 
+    logs.setup(settings.log.level)
     problem = ports_free(settings)
     if problem is not None:
         print(f"affidavit: cannot start: {problem}", file=sys.stderr)
@@ -189,20 +195,27 @@ def _watch(pool: list[Worker], stopping: threading.Event, metrics_dir: str) -> i
                 worker.failed_starts += 1
                 delay = min(RESTART_BACKOFF[0] * 2 ** (worker.failed_starts - 1), RESTART_BACKOFF[1])
                 worker.restart_at = now + delay
-                print(f"affidavit: worker {worker.index} (pid {pid}) {how} before it was ready ({worker.failed_starts} "
-                      f"start(s) in a row; its reason is above); trying again in {delay:.0f} s. The other workers go "
-                      "on serving; its in-flight records are recovered once one of its restarts starts.",
-                      file=sys.stderr, flush=True)
+                log.warning(
+                    "worker %d (pid %d) %s before it was ready (%d start(s) in a row; its reason is above); trying "
+                    "again in %.0f s. The other workers go on serving; its in-flight records are recovered once one "
+                    "of its restarts starts.", worker.index, pid, how, worker.failed_starts, delay,
+                    extra={"worker": worker.index, "pid": pid, "exit": how, "retry_in_s": delay},
+                )
                 continue
             deaths.append(now)
             while deaths and deaths[0] < now - CRASH_WINDOW:
                 deaths.popleft()
             if len(deaths) >= CRASH_LIMIT:
-                print(f"affidavit: workers died {len(deaths)} times within {CRASH_WINDOW:.0f}s while serving (worker "
-                      f"{worker.index}: {how}); stopping the broker. See the log above for why.", file=sys.stderr)
+                log.error(
+                    "workers died %d times within %.0fs while serving (worker %d: %s); stopping the broker. See the "
+                    "log above for why.", len(deaths), CRASH_WINDOW, worker.index, how,
+                    extra={"worker": worker.index, "pid": pid, "exit": how},
+                )
                 return 1
-            print(f"affidavit: worker {worker.index} (pid {pid}) {how}; restarting it (its in-flight records are "
-                  "recovered when it starts)", file=sys.stderr, flush=True)
+            log.warning(
+                "worker %d (pid %d) %s; restarting it (its in-flight records are recovered when it starts)",
+                worker.index, pid, how, extra={"worker": worker.index, "pid": pid, "exit": how},
+            )
             worker.start()
     return 0
 

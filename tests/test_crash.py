@@ -4,7 +4,6 @@ it loses nothing and claims nothing false. Real broker processes, ``kill -9``, r
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import secrets
 import sqlite3
@@ -629,7 +628,7 @@ def test_a_live_brokers_in_flight_work_is_left_alone_and_a_dead_ones_is_closed(m
     closed = b.wait_for(dead_id, lambda r: r["stage"] == "ended_unknown", timeout=10)
     assert closed["outcome"] == "unknown" and closed["code"] == "REMOTE_OUTCOME_UNKNOWN"
     assert f"invocation {dead_id} was left in flight" in b.logs()
-    [ended] = [line for line in (json.loads(text) for text in b.logs().splitlines() if text.startswith("{"))
+    [ended] = [line for line in b.log_entries()
                if line.get("msg") == "invocation ended" and line.get("invocation_id") == dead_id]
     assert ended["recovered_from"].startswith("broker-a/") and ended["total_ms"] is None, ended
     deadline = time.monotonic() + 10

@@ -95,7 +95,10 @@ def test_a_worker_killed_mid_request_is_restarted_and_its_record_recovered(pg_ur
     deadline = time.monotonic() + 20
     while "worker" not in broker.logs().split("restarting it")[-1] and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert re.search(r"affidavit: worker \d \(pid \d+\) was killed by signal 9 \(SIGKILL\); restarting it", broker.logs())
+    restarted = [e for e in broker.log_entries() if "restarting it" in e["msg"]]
+    assert len(restarted) == 1 and restarted[0]["exit"] == "was killed by signal 9 (SIGKILL)", restarted
+    assert re.fullmatch(r"worker \d \(pid \d+\) was killed by signal 9 \(SIGKILL\); restarting it .*", restarted[0]["msg"])
+    assert restarted[0]["level"] == "warning" and restarted[0]["logger"] == "affidavit.workers" and restarted[0]["ts"]
     assert len(re.findall(r"affidavit: worker \d ready", broker.logs())) == 3, broker.logs()[-2000:]
     assert sum(alive(p) for p in before) == 1, "the killed worker is gone, its sibling still serves"
     assert broker.proc is not None and broker.proc.poll() is None
@@ -113,7 +116,9 @@ def test_a_worker_that_keeps_dying_stops_the_broker(pg_url, make_broker, upstrea
             pass
         time.sleep(0.2)
     assert broker.proc.returncode == 1, broker.logs()[-3000:]
-    assert re.search(r"affidavit: workers died 5 times within 60s .*stopping the broker", broker.logs())
+    stopped = [e for e in broker.log_entries() if "stopping the broker" in e["msg"]]
+    assert len(stopped) == 1 and stopped[0]["level"] == "error", stopped
+    assert re.match(r"workers died 5 times within 60s while serving \(worker \d: was killed by signal 9", stopped[0]["msg"])
     assert upstream.effects == 0
 
 
@@ -130,7 +135,7 @@ def test_a_worker_that_cannot_restart_through_an_outage_stops_nothing_and_serves
         first, second = worker_pids(broker)
         relay.cut()
         os.kill(second, signal.SIGKILL)
-        failed = r"affidavit: worker \d \(pid \d+\) exited with status 1 before it was ready \((\d+) start\(s\) in a row"
+        failed = r"worker \d \(pid \d+\) exited with status 1 before it was ready \((\d+) start\(s\) in a row"
         deadline = time.monotonic() + 90
         while len(re.findall(failed, broker.logs())) < 5 and time.monotonic() < deadline:
             assert broker.proc.poll() is None, broker.logs()[-3000:]

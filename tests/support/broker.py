@@ -10,6 +10,7 @@ Everything the process prints goes to a log file the canary tests grep.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import signal
 import socket
@@ -215,6 +216,10 @@ class BrokerProcess:
             return self.log_path.read_text(errors="replace")
         except FileNotFoundError:
             return ""
+
+    def log_entries(self) -> list[dict[str, Any]]:
+        """The JSON log lines the broker wrote so far (its own, its workers' and their supervisor's)."""
+        return [json.loads(line) for line in self.logs().splitlines() if line.startswith("{")]
 
     # -- clients -----------------------------------------------------------------------
 
