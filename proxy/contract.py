@@ -566,12 +566,17 @@ def project(events: Iterable[Event]) -> Record:
     return record
 
 
-def retry_hint(record: Record, operation: Operation, *, retention_open: bool = True) -> Retry | None:
+def retry_hint(
+    record: Record, operation: Operation, *, retention_open: bool = True, budget_left: bool = True
+) -> Retry | None:
     """What automation may do now. ``None`` while the record is still in flight.
 
     ``retention_open`` is whether a same-key re-send could still go out: the remote idempotency
     contract's retention window is still open (the caller computes it from the stored expiry and
-    the clock) and, where the caller knows it, the retry budget is not used up.
+    the clock) and, where the caller knows it, the retry budget is not used up. ``budget_left``
+    is whether a repeat with the same key may still be attempted at all (false once a keyed
+    invocation used its retry budget): an idempotent operation is then reconciled too, since its
+    repeat would only be refused (RETRY_BUDGET_EXHAUSTED).
     """
     if record.stage is S.DELIVERY_FAILED:
         return Retry.FETCH_RESULT
@@ -584,7 +589,7 @@ def retry_hint(record: Record, operation: Operation, *, retention_open: bool = T
         return Retry.AFTER_CORRECTION
     if outcome is Outcome.UNKNOWN:
         if operation.idempotent:
-            return Retry.BACKOFF
+            return Retry.BACKOFF if budget_left else Retry.RECONCILE
         if operation.remote_contract and retention_open:
             return Retry.SAME_IDEMPOTENCY_KEY
         return Retry.RECONCILE
@@ -619,7 +624,7 @@ def decide(
             return NextAction.RETRY_NEW_ATTEMPT
         return NextAction.STOP_FOR_CORRECTION
     if outcome is Outcome.UNKNOWN:
-        if operation.idempotent:
+        if operation.idempotent and retry is not Retry.RECONCILE:  # reconcile: its retry budget is used up
             return NextAction.RETRY_NEW_ATTEMPT
         if (
             retry is Retry.SAME_IDEMPOTENCY_KEY

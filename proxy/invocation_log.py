@@ -61,6 +61,10 @@ class Identity:
         is open and the retry budget is not used up (else the repeat is RETRY_BUDGET_EXHAUSTED)."""
         return self.retention_open(now) and generation < self.retry_budget
 
+    def budget_left(self, generation: int) -> bool:
+        """Whether a repeat with this invocation's key may still be attempted (none without a key)."""
+        return self.idempotency_key is None or generation < self.retry_budget
+
 
 def identity_of(row: dict[str, Any]) -> Identity:
     """The stored identity of an invocation (as accepted; later config changes do not alter it)."""
@@ -193,7 +197,9 @@ class InvocationLog:
     def retry_for(self, record: Record, now: datetime | None = None) -> Retry | None:
         """The retry hint for ``record`` (this log's, or a provisional end of it): a same-key
         re-send counts only while the retention is open and the retry budget is not used up."""
-        return retry_hint(record, self.identity.operation, retention_open=self.identity.may_resend(now or utcnow(), self.generation))
+        identity = self.identity
+        return retry_hint(record, identity.operation, retention_open=identity.may_resend(now or utcnow(), self.generation),
+                          budget_left=identity.budget_left(self.generation))
 
     def projection(self, now: datetime | None = None) -> dict[str, Any]:
         now = now or utcnow()

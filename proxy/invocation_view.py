@@ -40,6 +40,11 @@ def may_resend(row: dict[str, Any], now: datetime) -> bool:
     return retention_open(row, now) and row.get("generation", 0) < row.get("retry_budget", 0)
 
 
+def budget_left(row: dict[str, Any]) -> bool:
+    """A repeat with the row's key may still be attempted: it has a key, and its retry budget is not used up."""
+    return row.get("idempotency_key") is None or row.get("generation", 0) < row.get("retry_budget", 0)
+
+
 def operation_of(row: dict[str, Any]) -> Operation:
     return Operation(idempotent=bool(row["idempotent"]), remote_contract=bool(row["remote_contract"]), fingerprint=row["fingerprint"])
 
@@ -55,7 +60,7 @@ def describe(
     now = now or datetime.now(UTC)
     record: Record = project(events)
     operation = operation_of(row)
-    retry = retry_hint(record, operation, retention_open=may_resend(row, now))
+    retry = retry_hint(record, operation, retention_open=may_resend(row, now), budget_left=budget_left(row))
     next_action = decide(record, retry, operation, row["fingerprint"])
     complete = next((e for e in reversed(events) if e.kind is EventKind.REMOTE_RESPONSE_COMPLETE), None)
     evidence: dict[str, Any] = {

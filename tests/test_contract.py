@@ -363,6 +363,18 @@ def test_unknown_hints_depend_on_declared_semantics_and_retention():
     assert decide(record, Retry.SAME_IDEMPOTENCY_KEY, changed, "sha256:a") is NextAction.RECONCILE
 
 
+def test_an_unknown_end_whose_retry_budget_is_used_up_is_reconciled_whatever_the_method():
+    """A repeat with the key would only be refused (RETRY_BUDGET_EXHAUSTED): even an idempotent
+    operation is not sent back into it."""
+    record = fold([*DISPATCH, failed(Phase.REMOTE_EXECUTION, Code.REMOTE_OUTCOME_UNKNOWN)])
+    for operation in (GET, POST, POST_WITH_CONTRACT):
+        assert retry_hint(record, operation, retention_open=False, budget_left=False) is Retry.RECONCILE
+        assert decide(record, Retry.RECONCILE, operation, "sha256:a") is NextAction.RECONCILE
+    assert retry_hint(record, GET, retention_open=False) is Retry.BACKOFF, "retention alone binds no idempotent repeat"
+    done = fold([*complete(200), ev(K.RESULT_DELIVERED)])
+    assert retry_hint(done, GET, budget_left=False) is Retry.NEVER, "a recorded result is the answer still"
+
+
 @pytest.mark.parametrize(
     ("status", "retry_after", "operation", "retry"),
     [(401, None, GET, Retry.AFTER_CORRECTION), (403, None, POST, Retry.AFTER_CORRECTION),

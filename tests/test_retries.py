@@ -28,6 +28,7 @@ NO_CONTRACT = "https://pay-nc.example.test"
 SHORT = "https://pay-short.example.test"
 PUT = "https://put.example.test"
 TIGHT = "https://pay-tight.example.test"
+PUT_TIGHT = "https://put-tight.example.test"
 
 
 def retry_routes(up: HostileUpstream) -> list[dict[str, Any]]:
@@ -43,6 +44,7 @@ def retry_routes(up: HostileUpstream) -> list[dict[str, Any]]:
         {"name": "put", "host": "put.example.test", "methods": ["PUT", "GET"], **base},
         {"name": "pay-tight", "host": "pay-tight.example.test", "methods": ["POST"], **base, "retry_budget": 1,
          "idempotency": {"header": "Idempotency-Key", "scope": "tight", "retention": "1h"}},
+        {"name": "put-tight", "host": "put-tight.example.test", "methods": ["PUT"], **base, "retry_budget": 1},
         {"name": "bodiless", "host": "bodiless.example.test", "methods": ["HEAD", "DELETE"], **base},
     ]
 
@@ -236,6 +238,32 @@ def test_an_idempotent_operation_is_attempted_again(broker, upstream):
     assert again.status_code == 200 and again.headers["affidavit-outcome"] == "committed"
     assert upstream.effects == 2 and len(sent(upstream)) == 2
     assert [a.header("Idempotency-Key") for a in sent(upstream)] == [k, k]
+
+
+def test_an_idempotent_operation_that_used_its_retry_budget_says_reconcile(broker, upstream):
+    """Idempotent, so an unknown end may be repeated, but only as often as the budget allows: the
+    attempt that used the last of it says reconcile (no x-should-retry), as the record does, and
+    not backoff, which would send the caller into the 429 a further repeat gets. Without a key
+    there is no budget to use up: a new invocation every time."""
+    k = key()
+    url = PUT_TIGHT + "/h/idem_ignore?code=200&lose=all"
+    with broker.client() as client:
+        first = client.put(url, content=b"{}", headers={"Idempotency-Key": k})
+        second = client.put(url, content=b"{}", headers={"Idempotency-Key": k})  # the one re-attempt the budget allows
+        third = client.put(url, content=b"{}", headers={"Idempotency-Key": k})
+        unkeyed = client.put(url, content=b"{}")
+    assert (check_envelope(first.content)["error"]["retry"], first.headers["x-should-retry"]) == ("backoff", "true")
+    used = check_envelope(second.content)["error"]
+    assert (used["outcome"], used["retry"], second.headers["x-should-retry"]) == ("unknown", "reconcile", "false"), used
+    assert third.status_code == 429 and check_envelope(third.content)["error"]["code"] == "RETRY_BUDGET_EXHAUSTED"
+    record = broker.invocation(check_envelope(first.content)["invocation_id"])
+    assert (record["retry"], record["next_action"]) == ("reconcile", "reconcile"), record
+    assert record["retry_budget"] == {"budget": 1, "used": 1}
+    free = check_envelope(unkeyed.content)["error"]
+    assert (free["outcome"], free["retry"], unkeyed.headers["x-should-retry"]) == ("unknown", "backoff", "true"), free
+    free_record = broker.invocation(check_envelope(unkeyed.content)["invocation_id"])
+    assert (free_record["retry"], free_record["next_action"]) == ("backoff", "retry_new_attempt")
+    assert len(sent(upstream)) == 3
 
 
 def test_after_the_retention_window_resends_stop(broker, upstream):
