@@ -73,6 +73,7 @@ from ulid import ULID
 
 from .upstream import (
     HOP_BY_HOP,
+    MAX_RESPONSE_HEAD,
     DispatchRefused,
     ExchangeFailed,
     SetupFailed,
@@ -331,7 +332,8 @@ class _Exchange:
             if not exc.request_complete:
                 self.request_written = False  # the transport's word only counts when complete
             self.record_progress()
-            return _Settled(failure=exc, attempt=self.attempt)
+            head_too_large = exc.code is Code.RESULT_TOO_LARGE and not exc.headers_received
+            return _Settled(failure=exc, attempt=self.attempt, message=_HEAD_TOO_LARGE if head_too_large else None)
         try:
             return await self._record_result(response)
         except Exception as exc:
@@ -1563,6 +1565,14 @@ _MESSAGES = {
     Code.APPROVAL_STALE: "The approval does not cover this request any more (its body, target, credential version or "
     "the route's configuration changed). Nothing was sent. Ask for a new approval.",
 }
+
+
+_HEAD_TOO_LARGE = (
+    f"The upstream's response head (its status line and header fields) is larger than the broker reads "
+    f"({MAX_RESPONSE_HEAD} bytes), so no result was recorded. The request was sent, so the effect is unknown: do not "
+    "blindly re-send; follow the retry hint. The same request will likely meet the same answer: ask the upstream's "
+    "operators why it sends such headers."
+)
 
 
 def _message(code: Code, outcome: Outcome) -> str:

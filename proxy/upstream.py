@@ -135,6 +135,10 @@ class ResponseBroken(Exception):
     """The response's bytes stopped before its framing said they would end, or were not HTTP."""
 
 
+class ResponseHeadTooLarge(ResponseBroken):
+    """The response's status line and header fields are longer than the broker reads."""
+
+
 @dataclass(frozen=True, slots=True)
 class UpstreamRequest:
     method: str
@@ -375,7 +379,7 @@ class _Connection(asyncio.Protocol):
             end = _head_end(reading.head_tail, data)
             part = len(data) if end < 0 else end
             if reading.head_bytes + part > MAX_RESPONSE_HEAD:
-                self._broken(ResponseBroken(f"the upstream's response head exceeds {MAX_RESPONSE_HEAD} bytes"))
+                self._broken(ResponseHeadTooLarge(f"the upstream's response head exceeds {MAX_RESPONSE_HEAD} bytes"))
                 return
             reading.head_bytes += part
             reading.head_tail = b"" if end >= 0 else (reading.head_tail + data[-3:])[-3:]
@@ -710,8 +714,8 @@ class Upstream:
             raise
         except Exception as exc:
             raise ExchangeFailed(
-                Code.REMOTE_OUTCOME_UNKNOWN, diagnostic(exc),
-                request_complete=progress.request_complete, headers_received=False,
+                Code.RESULT_TOO_LARGE if isinstance(exc, ResponseHeadTooLarge) else Code.REMOTE_OUTCOME_UNKNOWN,
+                diagnostic(exc), request_complete=progress.request_complete, headers_received=False,
             ) from None
         try:
             await observer.response_started(reading.status)

@@ -129,6 +129,8 @@ def test_connection_setup_failures_are_not_attempted(broker, upstream, url, code
         ("/h/continue_close", "REMOTE_OUTCOME_UNKNOWN", False),
         # RFC 9110 15: a status is 100 to 599; neither an agent's client nor a replay could carry 999.
         ("/h/status?code=999", "REMOTE_OUTCOME_UNKNOWN", False),
+        # A complete answer whose head is over the 64 KiB the broker reads: not a broken connection.
+        ("/h/status?pad=70000", "RESULT_TOO_LARGE", False),
     ],
 )
 def test_broken_exchanges_after_dispatch_are_unknown(broker, upstream, path, code, headers_received):
@@ -144,6 +146,8 @@ def test_broken_exchanges_after_dispatch_are_unknown(broker, upstream, path, cod
     record = record_of(broker, body["invocation_id"])
     assert record["outcome"] == "unknown" and record["code"] == code
     assert record["next_action"] == "reconcile"
+    head_too_large = "head (its status line and header fields) is larger than the broker reads (65536 bytes)"
+    assert (head_too_large in body["error"]["message"]) is (code == "RESULT_TOO_LARGE"), body["error"]["message"]
     assert "REMOTE_RESPONSE_COMPLETE" not in kinds(record) and "RESULT_COMMITTED" not in kinds(record)
     with broker.api() as api:
         fetched = api.get(f"/v1/invocations/{body['invocation_id']}/result")

@@ -307,6 +307,7 @@ def test_a_head_over_its_limit_is_still_refused():
     huge = b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"p" * 70_000 + b"\r\nContent-Length: 2\r\n\r\nok"
     broken, _, _ = run(_one(_replying(huge), limit=1 << 20))
     assert isinstance(broken, ExchangeFailed) and "head exceeds" in broken.diagnostic, broken
+    assert broken.code is Code.RESULT_TOO_LARGE and not broken.headers_received, "not a connection that broke"
 
 
 def test_a_body_over_the_limit_is_result_too_large():
@@ -409,7 +410,7 @@ def test_bytes_after_the_response_neither_change_it_nor_reach_the_next_request(s
 
 def test_an_endless_response_head_is_broken_not_buffered():
     huge, _, _ = run(_one(_replying(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 200_000 + b"\r\nContent-Length: 0\r\n\r\n")))
-    assert isinstance(huge, ExchangeFailed) and huge.code is Code.REMOTE_OUTCOME_UNKNOWN and "exceeds" in huge.diagnostic
+    assert isinstance(huge, ExchangeFailed) and huge.code is Code.RESULT_TOO_LARGE and "exceeds" in huge.diagnostic
 
 
 @pytest.mark.parametrize("interim", [b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"],
@@ -419,7 +420,7 @@ def test_a_head_over_its_limit_after_an_interim_response_in_the_same_read_is_bro
     (100 KB reaches the client in one read on loopback; a read takes up to 256 KiB.)"""
     final = b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 100_000 + b"\r\nContent-Length: 0\r\n\r\n"
     huge, _, _ = run(_one(_replying(interim + final)))
-    assert isinstance(huge, ExchangeFailed) and huge.code is Code.REMOTE_OUTCOME_UNKNOWN and "exceeds" in huge.diagnostic, huge
+    assert isinstance(huge, ExchangeFailed) and huge.code is Code.RESULT_TOO_LARGE and "exceeds" in huge.diagnostic, huge
     assert not huge.headers_received
 
 

@@ -596,7 +596,8 @@ class HostileUpstream:
         """Effect, then a complete ``?code=`` (200) response; ``?retry_after=``, ``?location=``, ``?job=``,
         ``?header=Name:Value`` for any extra response header, ``?hop=Name`` for a header ``Name``
         that the response's ``Connection`` header names (an option of that hop only), ``?nest=N``
-        for a body of N ``[`` (JSON nested past any parser's depth)."""
+        for a body of N ``[`` (JSON nested past any parser's depth), ``?pad=N`` for an ``X-Pad``
+        header of N bytes."""
         code = int(q.get("code", "200"))
         n = self._apply(entry)
         headers = [(h, q[p]) for p, h in (("retry_after", "Retry-After"), ("location", "Location")) if p in q]
@@ -605,6 +606,8 @@ class HostileUpstream:
             headers.append((name, value))
         if "hop" in q:
             headers += [("Connection", q["hop"]), (q["hop"], "this hop only")]
+        if "pad" in q:
+            headers.append(("X-Pad", "p" * int(q["pad"])))
         body = _json({"job_id": q["job"], "status": "pending"} if "job" in q else {"status": code, "effects": n})
         if "nest" in q:  # a JSON document nested ?nest= levels deep, never closed
             body = b"[" * int(q["nest"])
