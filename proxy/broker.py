@@ -205,6 +205,12 @@ class _Settled:
     message: str | None = None
 
 
+#: An exchange still going this long (seconds) after its request left records its progress then
+#: (``REQUEST_SENT``, then ``REMOTE_RESPONSE_STARTED`` as it comes): a quick one records only its
+#: end, which implies both.
+PROGRESS_AFTER = 0.25
+
+
 class LookupUnavailable(Exception):
     """The route declares no lookup, or the invocation lacks what its template needs."""
 
@@ -225,6 +231,11 @@ class _Exchange:
         self.connection: str | None = None
         self.attempt = max(entry.record.attempt_count, 1)
         self._clean: tuple[UpstreamResponse, bytes, bool, str | None] | None = None
+        #: Until the exchange ends: the timer that records its progress if it is slow, and
+        #: whether it does so now (each step as it comes).
+        self._progress_timer: asyncio.TimerHandle | None = None
+        self._publishing = False
+        self._ended = False
 
     async def prepare_body(self, response: UpstreamResponse) -> None:
         """Work out :meth:`clean_body` in a thread when it means decoding a sizeable body, so a
@@ -293,11 +304,35 @@ class _Exchange:
 
     async def request_sent(self) -> None:
         self.request_written = True
+        if self._publishing:
+            self._publish_progress()
+        elif not self._ended and self._progress_timer is None:
+            self._progress_timer = asyncio.get_running_loop().call_later(PROGRESS_AFTER, self._publish_progress)
         await failpoint("after_request_sent")
 
     async def response_started(self, status: int) -> None:
         self.status_seen = status
+        if self._publishing:
+            self._publish_progress()
         await failpoint("mid_response_headers")
+
+    def _publish_progress(self) -> None:
+        """The exchange is slow: record how far it got (and, from now on, each step as it comes),
+        so that the record read meanwhile, or recovered after a crash, says the request left."""
+        self._progress_timer = None
+        if self._ended:
+            return
+        self._publishing = True
+        before = self.entry.record.last_seq
+        self.record_progress()
+        if self.entry.record.last_seq != before:
+            self.entry.submit_quietly()
+
+    def _stop_publishing(self) -> None:
+        self._ended = True
+        if self._progress_timer is not None:
+            self._progress_timer.cancel()
+            self._progress_timer = None
 
     def record_progress(self) -> None:
         """Append how far a dispatched exchange got (REQUEST_SENT, REMOTE_RESPONSE_STARTED).
@@ -316,7 +351,10 @@ class _Exchange:
 
     async def run(self) -> _Settled:
         try:
-            response = await self.broker.upstream.exchange(self.request, self, attempt=self.attempt)
+            try:
+                response = await self.broker.upstream.exchange(self.request, self, attempt=self.attempt)
+            finally:
+                self._stop_publishing()
         except DispatchRefused as exc:
             return _Settled(refused=exc, attempt=self.attempt)
         except SetupFailed as exc:

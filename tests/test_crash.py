@@ -158,6 +158,32 @@ def test_an_unkeyed_request_killed_before_dispatch_leaves_no_false_record(make_b
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)
+def test_a_slow_exchange_records_that_its_request_left_so_a_crash_does_not_hide_it(make_broker, upstream, dialect):
+    """A quick exchange keeps REQUEST_SENT and REMOTE_RESPONSE_STARTED in memory (its end implies
+    both). A slow one records them once it has waited a moment: the record read while it waits,
+    and the one recovered after the broker is killed, say the request left whole (and, once they
+    came, that the upstream's headers did), not merely that its dispatch began."""
+    broker = make_broker(dialect, routes=crash_routes(upstream))
+    key = f"slow-{time.monotonic_ns()}"
+    thread = threading.Thread(target=lambda: _quietly(lambda: post(broker, SAFE + "/h/slow?delay=30", key)))
+    thread.start()
+    upstream.wait_for_requests(1, timeout=10)
+    invocation_id = record_by_key(broker, key)
+    # Well inside the route's response timeout (5 s), whose end would record the progress too.
+    record = broker.wait_for(invocation_id, lambda r: r["evidence"]["dispatch"] != "started_locally", timeout=2)
+    assert record["evidence"]["dispatch"] == "bytes_handed_to_transport" and record["evidence"]["request_complete"] is True
+    assert record["stage"] == "sent" and record["next_action"] == "wait", record
+    broker.kill()
+    thread.join(20)
+    broker.start()
+    closed = broker.wait_for(invocation_id, lambda r: r["stage"] == "ended_unknown", timeout=15)
+    assert (closed["evidence"]["dispatch"], closed["evidence"]["request_complete"]) == ("bytes_handed_to_transport", True)
+    assert closed["outcome"] == "unknown", closed
+    kinds = [k for (k,) in query(broker.database_url, f"SELECT kind FROM events WHERE invocation_id = '{invocation_id}' ORDER BY seq")]
+    assert kinds.count("REQUEST_SENT") == 1 and kinds.index("DISPATCH_STARTED") < kinds.index("REQUEST_SENT"), kinds
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
 def test_a_clean_stop_writes_what_it_knows_of_the_requests_it_cuts(make_broker, upstream, dialect):
     """SIGTERM with a request waiting on the upstream: the request is cut, and its record says
     so in the journal (REMOTE_OUTCOME_UNKNOWN), not left 'in flight' for a recovery to guess at."""

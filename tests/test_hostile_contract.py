@@ -199,6 +199,22 @@ def test_no_answer_within_the_response_timeout_is_unknown_and_timed_out(broker, 
     assert upstream.effects == 1
 
 
+def test_a_slow_answer_records_each_step_once_and_a_quick_one_only_its_end(broker, upstream):
+    """Slow: the request's last byte left, then the upstream's headers came, then its body; each
+    step is on the record as it happens (once it has taken a moment), and only once. Quick: the
+    complete answer implies both, so neither is written."""
+    with broker.client() as client:
+        slow = client.post(PLAIN + "/h/slow?delay=0.8", content=b"{}")
+        quick = client.post(PLAIN + "/h/ok", content=b"{}")
+    assert slow.status_code == quick.status_code == 200
+    steps = ("DISPATCH_STARTED", "REQUEST_SENT", "REMOTE_RESPONSE_STARTED", "REMOTE_RESPONSE_COMPLETE", "RESULT_COMMITTED")
+    record = record_of(broker, slow.headers["affidavit-invocation-id"])
+    assert [k for k in kinds(record) if k in steps] == list(steps), kinds(record)
+    assert record["outcome"] == "committed" and record["evidence"]["dispatch"] == "remote_acknowledged"
+    record = record_of(broker, quick.headers["affidavit-invocation-id"])
+    assert "REQUEST_SENT" not in kinds(record) and "REMOTE_RESPONSE_STARTED" not in kinds(record), kinds(record)
+
+
 def test_a_late_result_after_the_response_timeout_becomes_fetchable(broker, upstream):
     with broker.client() as client:
         response = client.post(PLAIN + "/h/slow?delay=1.8", content=b"{}")
