@@ -127,6 +127,17 @@ class ExchangeFailed(Exception):
         self.headers_received = headers_received
 
 
+def _may_have_left_body_unread(request: "UpstreamRequest", reading: "_Reading") -> bool:
+    """Whether the upstream may have answered without reading the request's body. A refusal (or
+    a redirect) is often decided from the head alone, and a server that then keeps the connection
+    open without reading the body on leaves those bytes ahead of the next request on it: that
+    one would be read as garbage, or lost in the reset that closes such a connection, and end
+    ``unknown`` though it never reached the application. The socket taking every byte proves
+    nothing here: a body that fits in the kernel's buffers is taken whether or not anyone reads
+    it. So such a connection is not reused; a 2xx answer means the body was taken."""
+    return bool(request.body) and not 200 <= reading.status < 300
+
+
 class ResponseTooLarge(Exception):
     pass
 
@@ -686,7 +697,8 @@ class Upstream:
         try:
             return await self._exchange(conn, data, reading, request, observer, progress)
         finally:
-            if reading.done.done() and not reading.done.exception() and conn.reusable and not conn.lost and conn.flushed:
+            if (reading.done.done() and not reading.done.exception() and conn.reusable and not conn.lost and conn.flushed
+                    and not _may_have_left_body_unread(request, reading)):
                 conn.reading = None
                 self._give_back(key, conn)
             else:

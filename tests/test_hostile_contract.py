@@ -319,6 +319,27 @@ def test_an_early_answer_is_the_result_and_says_the_request_was_not_taken_whole(
         assert client.get("https://big.example.test/h/ok").status_code == 200
 
 
+def test_a_connection_whose_answer_came_before_the_body_was_read_is_not_reused(broker, upstream):
+    """The upstream refuses from the head alone and keeps the connection open, the small body
+    unread in its socket (the kernel took it all: the broker's write completed). Reusing that
+    connection would put the next request behind those bytes, and lose it in the reset that ends
+    such a connection: an unknown outcome for a request that never reached the application."""
+    with broker.client() as client:
+        refused = client.post(H + "/h/early_answer?hold=3", content=b"x" * 10_000)
+        nxt = client.post(H + "/h/ok", content=b'{"charge":1}')
+    assert refused.status_code == 413 and refused.headers["affidavit-outcome"] == "rejected"
+    assert nxt.status_code == 200 and nxt.headers["affidavit-outcome"] == "committed", nxt.text[:500]
+    record = record_of(broker, nxt.headers["affidavit-invocation-id"])
+    assert record["evidence"]["attempts"][0]["connection"] == "new", record["evidence"]["attempts"]
+    assert upstream.effects == 1
+    with broker.client() as client:  # a 2xx answer took the body: that connection is reused
+        first = client.post(H + "/h/ok", content=b"x" * 10_000)
+        second = client.post(H + "/h/ok", content=b"{}")
+    record = record_of(broker, second.headers["affidavit-invocation-id"])
+    assert (first.status_code, second.status_code) == (200, 200)
+    assert record["evidence"]["attempts"][0]["connection"] == "reused", record["evidence"]["attempts"]
+
+
 def test_close_delimited_body_is_complete_but_marked_as_weaker_framing(broker, upstream):
     with broker.client() as client:
         response = client.get(f"{H}/h/close_delimited")
