@@ -63,9 +63,9 @@ def run(
     if example:
         from .example import write_example
 
-        written = write_example(config or DEFAULT_CONFIG)
-        if written:
-            typer.echo(f"affidavit: wrote an example configuration to {config or DEFAULT_CONFIG} (tokens in .affidavit/)")
+        tokens = write_example(config or DEFAULT_CONFIG)
+        if tokens is not None:
+            typer.echo(f"affidavit: wrote an example configuration to {config or DEFAULT_CONFIG} (tokens in {tokens}/)")
     settings = settings_or_exit(config, quiet=worker_index is not None)
     count = workers if workers is not None else settings.proxy.workers
     try:

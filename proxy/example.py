@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 from pathlib import Path
 
@@ -11,14 +12,14 @@ EXAMPLE = """\
 
 [proxy]
 listen = "127.0.0.1:8080"
-confdir = ".affidavit"            # the broker's CA certificate and key live here
+confdir = @confdir@            # the broker's CA certificate and key live here
 
 [api]
 listen = "127.0.0.1:8081"
-operator_token = "file:.affidavit/operator.token"
+operator_token = @operator_token@
 
 [database]
-url = "sqlite+aiosqlite:///./affidavit.db"   # production: postgresql+asyncpg://user@host/db
+url = @database@   # production: postgresql+asyncpg://user@host/db
 
 [upstream]
 ca_bundle = ""                    # extra CA file for upstream TLS (system store otherwise)
@@ -27,7 +28,7 @@ response_timeout = "60s"
 
 [[agents]]
 name = "builder"
-token = "file:.affidavit/builder.token"
+token = @builder_token@
 
 [[secrets]]
 name = "github-token"
@@ -45,16 +46,39 @@ inject = { header = "Authorization", value = "Bearer {secret}" }
 """
 
 
-def write_example(path: Path) -> bool:
-    """Write the example and fresh random tokens, unless a configuration already exists."""
+def example_text(home: str) -> str:
+    """The example with its files (tokens, CA, journal) under ``home``: ``"."`` when the file is
+    written in the working directory, else that file's directory, named absolutely, since the
+    broker reads relative paths from the directory it is started in."""
+    def quoted(value: str) -> str:
+        return json.dumps(value)  # a TOML basic string
+
+    prefix = "" if home == "." else home.rstrip("/") + "/"
+    secrets_dir = f"{prefix}.affidavit"
+    text = EXAMPLE
+    for name, value in (
+        ("confdir", secrets_dir),
+        ("operator_token", f"file:{secrets_dir}/operator.token"),
+        ("builder_token", f"file:{secrets_dir}/builder.token"),
+        ("database", f"sqlite+aiosqlite:///{prefix or './'}affidavit.db"),
+    ):
+        text = text.replace(f"@{name}@", quoted(value))
+    return text
+
+
+def write_example(path: Path) -> Path | None:
+    """Write the example and fresh random tokens, unless a configuration already exists; the
+    directory the tokens went to, or None."""
     if path.exists():
-        return False
-    secrets_dir = path.parent / ".affidavit"
+        return None
+    home = path.parent.resolve()
+    here = home == Path.cwd().resolve()
+    secrets_dir = home / ".affidavit"
     secrets_dir.mkdir(parents=True, exist_ok=True)
     for name in ("builder.token", "operator.token"):
         token_file = secrets_dir / name
         if not token_file.exists():
             token_file.write_text(secrets.token_urlsafe(24) + "\n")
             token_file.chmod(0o600)
-    path.write_text(EXAMPLE)
-    return True
+    path.write_text(example_text("." if here else str(home)))
+    return Path(".affidavit") if here else secrets_dir

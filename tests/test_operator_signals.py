@@ -448,6 +448,41 @@ def example_dir(tmp_path: Path) -> Iterator[Path]:
     yield workdir
 
 
+def test_run_example_with_a_configuration_elsewhere_keeps_its_files_beside_it(example_dir: Path, tmp_path: Path):
+    """``run --example -c DIR/affidavit.toml`` from another directory: the tokens, the CA and the
+    journal go beside the file, and the file names them absolutely, so the broker starts (and
+    starts again) from any directory; nothing lands in the working directory."""
+    home = tmp_path / "etc-affidavit"
+    config = home / "affidavit.toml"
+    proxy_listen, api_listen = (f"127.0.0.1:{port}" for port in free_ports(2))
+    env = clean_env(AFFIDAVIT_PROXY__LISTEN=proxy_listen, AFFIDAVIT_API__LISTEN=api_listen)
+    out, err = tmp_path / "run.out", tmp_path / "run.err"
+    with open(out, "wb") as stdout, open(err, "wb") as stderr:
+        proc = subprocess.Popen([AFFIDAVIT, "run", "--example", "-c", str(config)], cwd=example_dir, env=env,
+                                stdout=stdout, stderr=stderr, start_new_session=True)
+    try:
+        printed = wait_for_text(out, "export AFFIDAVIT_API_URL=", proc, 60, err)
+        assert f"affidavit: wrote an example configuration to {config} (tokens in {home / '.affidavit'}/)" in printed.splitlines()
+        assert list(example_dir.iterdir()) == [], "nothing in the working directory"
+        assert {p.name for p in home.iterdir()} >= {"affidavit.toml", ".affidavit", "affidavit.db"}
+        ca = home / ".affidavit" / "mitmproxy-ca-cert.pem"
+        assert f"affidavit: CA certificate {ca}" in printed.splitlines()
+        token = (home / ".affidavit" / "builder.token").read_text().strip()
+        # From yet another directory, the same configuration gives the same lines.
+        again = subprocess.run([AFFIDAVIT, "env", "-c", str(config)], cwd=tmp_path, env=env, capture_output=True, timeout=60)
+        assert again.returncode == 0, again.stderr.decode()
+        proxy_url = f"http://builder:{token}@{proxy_listen}"
+        with httpx.Client(proxy=proxy_url, verify=ssl.create_default_context(cafile=str(ca)), trust_env=False, timeout=20) as client:
+            refused = client.get("https://unknown.example.test/x")
+        assert refused.status_code == 403 and check_envelope(refused.content)["error"]["code"] == "INVALID_TARGET"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0, err.read_text(errors="replace")[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
 @pytest.mark.parametrize("ports", ["default", "chosen"])
 def test_run_example_in_an_empty_directory(example_dir: Path, ports: str):
     if ports == "default":
