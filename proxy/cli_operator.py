@@ -94,7 +94,13 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
         if isinstance(exc, typer.Exit):
             raise
         from .app import redact_url
+        from .crypto import DecryptError
         from .store.journal import brief
+
+        if isinstance(exc, DecryptError):  # the journal answered; the record is under a key not configured here
+            typer.echo(f"affidavit: a record could not be read: {exc}. Nothing was changed. Put the key it was stored "
+                       "under back in [crypto] keys (docs/vault.md, key rotation), then run the command again.", err=True)
+            raise typer.Exit(1) from None
 
         where = f"database.url is {redact_url(settings.database.url)}"
         if queries.schema_missing(exc):

@@ -116,6 +116,11 @@ def test_records_under_a_dropped_key_get_clear_answers_not_bare_500s(make_broker
             answer = api.get(path)
             assert answer.status_code == 500 and answer.headers["content-type"] == "application/problem+json", answer.text
             assert "stored under key 'k1'" in answer.json()["detail"] and "[crypto] keys" in answer.json()["detail"]
+    for args in (("invocations", "show", invocation_id), ("invocations", "result", invocation_id)):
+        shown = broker.command(*args)
+        err = shown.stderr.decode()
+        assert shown.returncode == 1 and "stored under key 'k1'" in err and "back in [crypto] keys" in err, (args, err)
+        assert "database.url" not in err, "the journal answered: the database is not what to check"
     sent = len(upstream.received)
     with broker.client() as client:
         again = client.post("https://vaulted.example.test/h/ok", content=b"{}", headers={"Idempotency-Key": key})
