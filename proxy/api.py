@@ -367,6 +367,10 @@ def create_app(
 
     async def operator_only(who: Annotated[Principal, Depends(principal)]) -> Principal:
         if not who.operator:
+            if operator is None:
+                raise ApiError(403, "Forbidden", "This call needs the operator token, and this broker has none "
+                               "configured ([api] operator_token), so no token can make it: operators set one and "
+                               "restart the broker.")
             raise ApiError(403, "Forbidden", "This call needs the operator token.")
         return who
 

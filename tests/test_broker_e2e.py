@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+import tomli_w
 
 from tests.conftest import BrokerFactory, standard_routes
 from tests.support.canaries import CANARIES
@@ -592,6 +593,18 @@ def test_a_call_with_two_authorization_headers_is_refused_whichever_comes_first(
         for token in (agent, broker.operator_token):
             answer = _seen(anyone.get("/v1/invocations/act_nope", headers={"Authorization": f"Bearer {token}"}))
             assert answer.status_code == 404, answer.text  # past the token check
+
+
+def test_without_an_operator_token_an_operator_call_says_none_is_configured(make_broker, upstream: HostileUpstream):
+    broker = make_broker(start=False)
+    del broker.config["api"]["operator_token"]
+    broker.config_path.write_text(tomli_w.dumps(broker.config))
+    broker.start()
+    with broker.api() as api:
+        for path in ("/metrics", "/v1/invocations", "/v1/approvals"):
+            answer = _seen(api.get(path))
+            assert answer.status_code == 403, (path, answer.text)
+            assert "this broker has none configured ([api] operator_token)" in answer.json()["detail"], answer.text
 
 
 def test_an_oversized_api_body_is_refused_before_it_is_read(broker: BrokerProcess, upstream: HostileUpstream):
