@@ -391,7 +391,10 @@ async def load_database(url: str) -> tuple[list[dict[str, Any]], list[dict[str, 
         raise AuditInputError("--database could not be read as a database URL") from None
     database = make_url(url).database
     if url.startswith("sqlite") and database not in (None, "", ":memory:") and not Path(database).is_file():
-        raise AuditInputError(f"{where}: no such database file")  # connecting would create an empty one
+        from .store.migrate import sqlite_file_problem
+
+        # Connecting would create an empty one. A directory, or a missing one, is said as such.
+        raise AuditInputError(f"{where}: {sqlite_file_problem(url) or 'no such database file'}")
     try:
         return await _read(url)
     except (SQLAlchemyError, OSError) as exc:

@@ -194,6 +194,10 @@ def audit_verify(
     )
     if result.ok:
         typer.echo(f"affidavit: audit chain intact in {source}: {counts}; verified without any key")
+        if result.events == 0:
+            typer.echo(f"affidavit: warning: {source} holds no events at all, so there was nothing to verify: is "
+                       "it the broker's journal? (A copy of a SQLite journal made without its -wal file can lack "
+                       "everything written since the last checkpoint: copy with `sqlite3 DB .backup FILE`.)", err=True)
         return
     first = result.first
     assert first is not None

@@ -554,6 +554,26 @@ def test_a_file_that_is_not_an_export_is_an_input_error_not_a_verdict(tmp_path):
     missing = CliRunner().invoke(audit_app, ["verify", "--database", f"sqlite+aiosqlite:///{tmp_path / 'nothing.db'}"])
     assert missing.exit_code == 2 and "no such database file" in missing.output
     assert not (tmp_path / "nothing.db").exists(), "verifying must not create a database"
+    for path, said in ((tmp_path, "is a directory"), (tmp_path / "no-such-dir" / "j.db", "does not exist")):
+        wrong = CliRunner().invoke(audit_app, ["verify", "--database", f"sqlite+aiosqlite:///{path}"])
+        assert wrong.exit_code == 2 and said in wrong.output, wrong.output
+
+
+def test_a_journal_with_no_events_verifies_but_is_said_to_hold_nothing(request, tmp_path):
+    """An empty journal (a copy made without its -wal file, say) has an intact chain of nothing:
+    the verdict stands, with a warning that there was nothing to check."""
+    from proxy.cli_security import audit_app
+
+    empty = database_url("sqlite", tmp_path, request, migrated=True)
+    result = CliRunner().invoke(audit_app, ["verify", "--database", empty])
+    assert result.exit_code == 0 and "intact" in result.output and "0 event(s)" in result.output, result.output
+    assert "holds no events at all, so there was nothing to verify" in result.output
+    full = tmp_path / "full"
+    full.mkdir()
+    journal = database_url("sqlite", full, request, migrated=True)
+    asyncio.run(write_journal(journal))
+    result = CliRunner().invoke(audit_app, ["verify", "--database", journal])
+    assert result.exit_code == 0 and "nothing to verify" not in result.output, result.output
     # A URL the broker would not take (no async driver named, or no URL at all) is a typo, not a broken chain.
     for url in ("postgresql://postgres@127.0.0.1:5432/x", "garbage", f"sqlite:///{tmp_path / 'j.db'}"):
         for command in (["verify", "--database", url], ["export", "--out", str(tmp_path / "x.jsonl"), "--database", url]):
