@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -148,8 +149,10 @@ def db_upgrade(config: ConfigOption = None) -> None:
     if (problem := migrate.sqlite_file_problem(settings.database.url)) is not None:
         typer.echo(f"affidavit: cannot upgrade database.url {redact_url(settings.database.url)}: {problem}", err=True)
         raise typer.Exit(1)
+    database = migrate.sqlite_file(settings.database.url)
+    new_file = database is not None and not Path(database).exists()
     try:
-        schema_revision(settings.database.url)  # a newer broker's schema: refused as `affidavit run` refuses it
+        before = None if new_file else schema_revision(settings.database.url)  # a newer broker's: refused as `run` does
         migrate.upgrade(settings.database.url)
     except ConfigError as exc:
         typer.echo(f"affidavit: {exc}", err=True)
@@ -159,7 +162,16 @@ def db_upgrade(config: ConfigOption = None) -> None:
 
         typer.echo(f"affidavit: could not upgrade {redact_url(settings.database.url)}: {brief(exc)}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(f"affidavit: {redact_url(settings.database.url)} is at revision {migrate.head()}")
+    head, url = migrate.head(), redact_url(settings.database.url)
+    if new_file:
+        done = f"created the journal file {Path(database).absolute()}"  # type: ignore[arg-type]
+    elif before is None:
+        done = "created the journal's schema"
+    elif before == head:
+        done = "nothing to do"
+    else:
+        done = f"upgraded from revision {before}"
+    typer.echo(f"affidavit: {done}; {url} is at revision {head}{' already' if before == head else ''}")
 
 
 def _optimized() -> None:

@@ -522,6 +522,46 @@ def test_a_broker_older_than_its_schema_says_so_instead_of_advising_an_upgrade(t
         drop()
 
 
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_db_upgrade_says_what_it_did(tmp_path, pg_admin_url, dialect):
+    """Created, upgraded, or nothing to do: an operator can tell them apart (and notice a journal
+    created in the wrong directory)."""
+    from proxy.store import migrate
+    from tests.support.pg import fresh_database
+
+    if dialect == "sqlite":
+        journal = tmp_path / "j.db"
+        url, drop = f"sqlite+aiosqlite:///{journal}", lambda: None
+    else:
+        url, drop = fresh_database(pg_admin_url)
+    env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")}, "AFFIDAVIT_DATABASE__URL": url}
+
+    def upgrade() -> str:
+        done = subprocess.run([AFFIDAVIT, "db", "upgrade"], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    head, shown = migrate.head(), redact_url(url)
+    try:
+        if dialect == "sqlite":
+            assert upgrade() == f"affidavit: created the journal file {journal}; {shown} is at revision {head}"
+        else:
+            assert upgrade() == f"affidavit: created the journal's schema; {shown} is at revision {head}"
+        assert upgrade() == f"affidavit: nothing to do; {shown} is at revision {head} already"
+        older = "0007"
+        assert migrate.known(older) and older != head
+        if dialect == "sqlite":
+            journal.unlink()
+        else:
+            drop()
+            url, drop = fresh_database(pg_admin_url)
+            env["AFFIDAVIT_DATABASE__URL"], shown = url, redact_url(url)
+        migrate.upgrade(url, older)
+        assert upgrade() == f"affidavit: upgraded from revision {older}; {shown} is at revision {head}"
+    finally:
+        drop()
+
+
 def test_db_upgrade_and_run_refuse_a_sqlite_schema_a_newer_broker_made(tmp_path):
     """The systemd unit runs `affidavit db upgrade` before every start (ExecStartPre), so after a
     rollback this is the message an operator reads; SQLite, upgraded at every start, says the same."""
