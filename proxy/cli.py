@@ -59,6 +59,11 @@ def run(
 ) -> None:
     """Start the broker: the proxy and the side API."""
     from .app import run as run_broker
+    from .failpoints import PROBLEM
+
+    if PROBLEM is not None:
+        typer.echo(f"affidavit: cannot start: {PROBLEM}", err=True)
+        raise typer.Exit(2)
 
     _optimized()
     if example:

@@ -67,11 +67,24 @@ def _parse(spec: str) -> dict[str, _Action]:
         kind, _, arg = action.partition(":")
         if kind not in ("kill", "raise", "pause"):
             raise ValueError(f"{ENV}: {name}: action must be kill, raise or pause:SECONDS")
-        actions[name] = _Action(kind, float(arg or 0), int(count) if count else None)
+        try:
+            actions[name] = _Action(kind, float(arg or 0), int(count) if count else None)
+        except ValueError:
+            raise ValueError(f"{ENV}: {name}: {entry!r} is not name=action[@count] (pause takes seconds, count "
+                             "a whole number)") from None
     return actions
 
 
-_ACTIVE: dict[str, _Action] = _parse(os.environ.get(ENV, ""))
+def _load(spec: str) -> tuple[dict[str, _Action], str | None]:
+    try:
+        return _parse(spec), None
+    except ValueError as exc:
+        return {}, str(exc)
+
+
+#: The failpoints set, and why the variable could not be read (``affidavit run`` refuses to start
+#: then: a drill that silently ran without its fault would prove nothing).
+_ACTIVE, PROBLEM = _load(os.environ.get(ENV, ""))
 
 
 def active() -> bool:

@@ -522,6 +522,19 @@ def test_a_broker_older_than_its_schema_says_so_instead_of_advising_an_upgrade(t
         drop()
 
 
+def test_a_malformed_failpoints_variable_stops_the_start_in_one_line_and_nothing_else(tmp_path):
+    env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")},
+           "AFFIDAVIT_DATABASE__URL": f"sqlite+aiosqlite:///{tmp_path / 'j.db'}"}
+    for spec, said in (("nosuch=kill", "unknown failpoint 'nosuch'"), ("during_tls=pause:soon", "is not name=action[@count]")):
+        env["AFFIDAVIT_FAILPOINTS"] = spec
+        started = subprocess.run([AFFIDAVIT, "run"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+        assert started.returncode == 2 and "Traceback" not in started.stderr, started.stderr[-2000:]
+        assert "affidavit: cannot start: AFFIDAVIT_FAILPOINTS: " in started.stderr and said in started.stderr, started.stderr
+        other = subprocess.run([AFFIDAVIT, "--help"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+        assert other.returncode == 0 and "Traceback" not in other.stderr, other.stderr
+    assert not (tmp_path / "j.db").exists(), "nothing was started"
+
+
 @pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
 def test_db_upgrade_says_what_it_did(tmp_path, pg_admin_url, dialect):
     """Created, upgraded, or nothing to do: an operator can tell them apart (and notice a journal
