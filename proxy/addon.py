@@ -398,7 +398,7 @@ def install_caller_watch(addon: "BrokerAddon") -> None:
     import h2.errors
     import h2.events
     import h2.exceptions
-    from hyperframe.frame import DataFrame
+    from hyperframe.frame import DataFrame, HeadersFrame
     from mitmproxy.proxy.commands import SendData
     from mitmproxy.proxy.layers.http import HttpStream, RequestProtocolError
     from mitmproxy.proxy.layers.http._http2 import Http2Server, parse_h2_request_headers
@@ -436,6 +436,8 @@ def install_caller_watch(addon: "BrokerAddon") -> None:
         # test_an_http2_body_that_does_not_match_its_content_length_is_refused_alone.
         dispatch = self.h2_conn._frame_dispatch_table
         dispatch[DataFrame] = functools.partial(receive_data_frame, self.h2_conn, dispatch[DataFrame])
+        # So does a content-length h2 cannot read as a number (h2 raises while it opens the stream).
+        dispatch[HeadersFrame] = functools.partial(receive_headers_frame, self.h2_conn, dispatch[HeadersFrame])
 
     handle_h2_event = getattr(Http2Server.handle_h2_event, "__wrapped__", Http2Server.handle_h2_event)
 
@@ -452,7 +454,10 @@ def install_caller_watch(addon: "BrokerAddon") -> None:
             except ValueError:  # its text quotes the fields: not for the envelope
                 why = ("The request's HTTP/2 pseudo-header fields are malformed: one is missing or repeated, or is not "
                        "one a request may have (:method, :scheme, :authority, :path).")
-            declared = next((int(v, 10) for k, v in event.headers if k == b"content-length"), 0)  # h2 parsed it so
+            lengths = [v for k, v in event.headers if k == b"content-length"]
+            if why is None and lengths and (not all(v.isdigit() for v in lengths) or len(set(lengths)) > 1):
+                why = _CONTENT_LENGTH_NOT_A_LENGTH  # int() took it ("-1", "+5", "1_0"), or values that disagree
+            declared = int(lengths[0], 10) if lengths and why is None else 0
             if why is None and event.stream_ended and declared:
                 why = body_length_mismatch(declared, 0)
             if why is not None:
@@ -473,6 +478,15 @@ def install_caller_watch(addon: "BrokerAddon") -> None:
             refuse_stream(conn, frame.stream_id, body_length_mismatch(e.expected_length, e.actual_length))
             conn.acknowledge_received_data(frame.flow_controlled_length, frame.stream_id)  # the connection's window
             return [], [stream_reset(frame.stream_id, h2.errors.ErrorCodes.PROTOCOL_ERROR)]
+
+    def receive_headers_frame(conn: Any, receive: Callable[[Any], Any], frame: Any) -> Any:
+        try:
+            return receive(frame)
+        except h2.exceptions.ProtocolError as e:  # raised once h2 opened the stream and took its END_STREAM, if any
+            if "content-length" not in str(e).lower() or frame.stream_id not in conn.streams:
+                raise
+            refuse_stream(conn, frame.stream_id, _CONTENT_LENGTH_NOT_A_LENGTH)
+            return [], []  # mitmproxy never heard of this stream
 
     def stream_reset(stream_id: int, error_code: int) -> Any:
         """The event h2 gives for a stream it reset itself."""
@@ -506,6 +520,8 @@ def install_caller_watch(addon: "BrokerAddon") -> None:
     Http2Server.handle_h2_event = http2_handle_h2_event  # type: ignore[method-assign]
 
 
+_CONTENT_LENGTH_NOT_A_LENGTH = ("The request's content-length header is not one length in bytes (RFC 9110 8.6: "
+                                "digits only, and one value if it is repeated).")
 _STREAM_ID = "affidavit.stream_id"
 _LEFT = "affidavit.stream_reset"  # the agent reset this flow's HTTP/2 stream (its connection goes on)
 #: The HTTP/2 connection of each agent connection that speaks it (gone with the connection).

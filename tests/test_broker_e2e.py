@@ -974,6 +974,30 @@ def test_an_http2_request_with_malformed_pseudo_headers_reset_by_its_agent_at_on
     assert "Traceback" not in broker.logs()[offset:]
 
 
+@pytest.mark.parametrize("lengths", [["abc"], [""], ["-1"], ["+5"], ["1_0"], ["5", "7"]],
+                         ids=["letters", "empty", "negative", "plus", "underscore", "two-values"])
+def test_an_http2_content_length_that_is_not_a_length_is_refused_alone(
+        broker: BrokerProcess, upstream: HostileUpstream, lengths: list[str]):
+    """RFC 9110 8.6: digits, one value. The h2 library ends the whole connection over one it
+    cannot read as a number, and reads some that are not lengths at all as numbers (Python's
+    int takes "+5" and "1_0"): that stream is refused, the others on the connection go on."""
+    from tests.support.h2agent import H2Agent
+
+    upstream.reset()
+    with H2Agent(broker, "api.payments.test", strict=False) as agent:
+        slow = agent.request("POST", "/h/slow?delay=0.5", body=b"{}")
+        time.sleep(0.2)  # dispatched before the bad one arrives
+        bad = agent.request("POST", "/h/ok?bad=1", headers=[("content-length", v) for v in lengths], end_stream=True)
+        status, headers, answer = agent.response(bad)
+        assert status == 400 and headers["content-type"] == "application/problem+json", (status, answer[:300])
+        error = check_envelope(answer)["error"]
+        assert (error["code"], error["outcome"]) == ("MALFORMED_REQUEST", "not_attempted"), error
+        assert "content-length header is not one length in bytes" in error["message"], error
+        assert agent.response(slow)[0] == 200, "the request dispatched on the same connection got its answer"
+        assert agent.response(agent.request("GET", "/h/ok"))[0] == 200, "the connection goes on"
+    assert sorted(r.path for r in upstream.received) == ["/h/ok", "/h/slow?delay=0.5"], "the bad one was not sent"
+
+
 @pytest.mark.parametrize(("declared", "frames"), [
     (4, [(b"x" * 10, True)]),
     (4, [(b"x" * 10, False)]),  # and goes on sending
