@@ -599,7 +599,7 @@ def retry_hint(
         if record.status in (401, 403):
             return Retry.AFTER_CORRECTION
         if record.status in _REFUSAL_STATUSES:
-            if operation.idempotent and record.retry_after is not None:
+            if operation.idempotent and record.retry_after is not None and record.retry_after <= USABLE_RETRY_AFTER:
                 return Retry.BACKOFF
             return Retry.NEVER
         return Retry.AFTER_CORRECTION
@@ -643,6 +643,12 @@ def is_idempotent(method: str, declared: bool | None) -> bool:
     if declared is not None:
         return declared
     return method.upper() in IDEMPOTENT_METHODS
+
+
+#: The longest ``Retry-After`` (seconds) that is a usable delay (contract section 5): beyond a day, a
+#: refusal is not "try again later" but "not now": the hint is never, and a later attempt is a new
+#: operation the caller decides on.
+USABLE_RETRY_AFTER = 86_400.0
 
 
 def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:

@@ -375,6 +375,15 @@ def test_an_unknown_end_whose_retry_budget_is_used_up_is_reconciled_whatever_the
     assert retry_hint(done, GET, budget_left=False) is Retry.NEVER, "a recorded result is the answer still"
 
 
+def test_a_retry_after_beyond_a_day_is_no_usable_delay():
+    """Contract section 5: backoff only with a usable delay. ``Retry-After: 0`` is one (now);
+    31 years is not: the refusal is the answer."""
+    for seconds, retry in ((0.0, Retry.BACKOFF), (86_400.0, Retry.BACKOFF), (86_401.0, Retry.NEVER), (999_999_999.0, Retry.NEVER)):
+        record = fold([*complete(503, retry_after=seconds), ev(K.RESULT_DELIVERED)])
+        assert retry_hint(record, GET) is retry, seconds
+        assert retry_hint(record, POST) is Retry.NEVER
+
+
 @pytest.mark.parametrize(
     ("status", "retry_after", "operation", "retry"),
     [(401, None, GET, Retry.AFTER_CORRECTION), (403, None, POST, Retry.AFTER_CORRECTION),
