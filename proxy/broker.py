@@ -337,9 +337,9 @@ class _Exchange:
     def record_progress(self) -> None:
         """Append how far a dispatched exchange got (REQUEST_SENT, REMOTE_RESPONSE_STARTED).
 
-        Recorded only when something ends without a complete response: a complete response
-        implies both facts. Until then they live in memory, like the bytes they describe: a
-        crash makes them moot (recovery records the dispatch as unknown either way).
+        Recorded when something ends without a complete response, or once the exchange is slow
+        (:meth:`_publish_progress`): a quick complete response implies both facts, so they live in
+        memory until then, like the bytes they describe. Each is appended once (by stage).
         """
         if self.request_written and self.entry.record.stage is Stage.DISPATCHED:
             self.entry.append(EventKind.REQUEST_SENT, attempt=self.attempt)
@@ -1306,7 +1306,7 @@ class Broker:
             await entry.commit()
         except JournalUnavailable:
             return self._journal_unavailable(entry)
-        retry = retry_hint(entry.record, entry.identity.operation) or Retry.AFTER_CORRECTION
+        retry = entry.retry_for(entry.record) or Retry.AFTER_CORRECTION  # a re-attempt's: its retention and budget count
         return self._envelope_reply(entry, code, phase, Outcome.NOT_ATTEMPTED, retry, message)
 
     def _lease_lost(self, entry: InvocationLog, *, refused_dispatch: bool = False) -> Reply:

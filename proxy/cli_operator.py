@@ -94,12 +94,17 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
         if isinstance(exc, typer.Exit):
             raise
         from .app import redact_url
-        from .crypto import DecryptError
+        from .crypto import DecryptError, UnknownKeyId
         from .store.journal import brief
 
-        if isinstance(exc, DecryptError):  # the journal answered; the record is under a key not configured here
+        if isinstance(exc, UnknownKeyId):  # the journal answered; the record is under a key not configured here
             typer.echo(f"affidavit: a record could not be read: {exc}. Nothing was changed. Put the key it was stored "
                        "under back in [crypto] keys (docs/vault.md, key rotation), then run the command again.", err=True)
+            raise typer.Exit(1) from None
+        if isinstance(exc, DecryptError):  # a known key, but the bytes do not authenticate under it
+            typer.echo(f"affidavit: a record could not be read: {exc}. Nothing was changed. The stored bytes were "
+                       "altered or moved, or the key behind that id in [crypto] keys is not the one they were written "
+                       "with: check the key, and run `affidavit audit verify`.", err=True)
             raise typer.Exit(1) from None
 
         where = f"database.url is {redact_url(settings.database.url)}"

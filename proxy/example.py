@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import secrets
 from pathlib import Path
+from urllib.parse import quote
 
 EXAMPLE = """\
 # Affidavit example configuration, written by `affidavit run --example`.
@@ -51,7 +52,7 @@ def example_text(home: str) -> str:
     written in the working directory, else that file's directory, named absolutely, since the
     broker reads relative paths from the directory it is started in."""
     def quoted(value: str) -> str:
-        return json.dumps(value)  # a TOML basic string
+        return json.dumps(value, ensure_ascii=False)  # a TOML basic string (no surrogate escapes)
 
     prefix = "" if home == "." else home.rstrip("/") + "/"
     secrets_dir = f"{prefix}.affidavit"
@@ -60,7 +61,7 @@ def example_text(home: str) -> str:
         ("confdir", secrets_dir),
         ("operator_token", f"file:{secrets_dir}/operator.token"),
         ("builder_token", f"file:{secrets_dir}/builder.token"),
-        ("database", f"sqlite+aiosqlite:///{prefix or './'}affidavit.db"),
+        ("database", f"sqlite+aiosqlite:///{quote(prefix, safe='/') or './'}affidavit.db"),  # '?', '%' in a URL
     ):
         text = text.replace(f"@{name}@", quoted(value))
     return text

@@ -272,7 +272,12 @@ class InvocationLog:
     async def commit(
         self, *, result: dict[str, Any] | None = None, fence: Fence | None = None, claim: bool = False
     ) -> None:
-        """Make everything appended so far durable; raises JournalUnavailable or LeaseLost."""
+        """Make everything appended so far durable; raises JournalUnavailable or LeaseLost.
+
+        A write nobody waited for that failed (a lazy one, during an outage) would have every
+        later write of this invocation refused after it: it is sent again first, in order."""
+        if any(_failed(w) for w in self._unconfirmed):  # those after it, still queued, fail with it
+            await self.resubmit()
         await self.submit(result=result, fence=fence, claim=claim)
         self.durable = True
 
@@ -332,7 +337,7 @@ class InvocationLog:
         )
 
     def submit_quietly(self) -> None:
-        """Write-behind for facts nobody waits on; a failure surfaces at the next commit.
+        """Write-behind for facts nobody waits on; a failed one is sent again by the next commit.
 
         The rows ride with the next commit anyone waits for (usually this invocation's own
         DISPATCH_STARTED), or go alone after the journal's linger. A crash inside that window
@@ -350,6 +355,11 @@ class InvocationLog:
 def _durable(write: Write) -> bool:
     future = write.future
     return future is not None and future.done() and not future.cancelled() and future.exception() is None
+
+
+def _failed(write: Write) -> bool:
+    future = write.future
+    return future is not None and future.done() and (future.cancelled() or future.exception() is not None)
 
 
 def _done() -> asyncio.Future[None]:

@@ -195,7 +195,7 @@ def _watch(pool: list[Worker], stopping: threading.Event, metrics_dir: str) -> i
                 worker.failed_starts += 1
                 delay = min(RESTART_BACKOFF[0] * 2 ** (worker.failed_starts - 1), RESTART_BACKOFF[1])
                 worker.restart_at = now + delay
-                log.warning(
+                log.error(
                     "worker %d (pid %d) %s before it was ready (%d start(s) in a row; its reason is above); trying "
                     "again in %.0f s. The other workers go on serving; its in-flight records are recovered once one "
                     "of its restarts starts.", worker.index, pid, how, worker.failed_starts, delay,
@@ -212,7 +212,7 @@ def _watch(pool: list[Worker], stopping: threading.Event, metrics_dir: str) -> i
                     extra={"worker": worker.index, "pid": pid, "exit": how},
                 )
                 return 1
-            log.warning(
+            log.error(
                 "worker %d (pid %d) %s; restarting it (its in-flight records are recovered when it starts)",
                 worker.index, pid, how, extra={"worker": worker.index, "pid": pid, "exit": how},
             )

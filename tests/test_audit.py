@@ -554,6 +554,11 @@ def test_a_file_that_is_not_an_export_is_an_input_error_not_a_verdict(tmp_path):
     missing = CliRunner().invoke(audit_app, ["verify", "--database", f"sqlite+aiosqlite:///{tmp_path / 'nothing.db'}"])
     assert missing.exit_code == 2 and "no such database file" in missing.output
     assert not (tmp_path / "nothing.db").exists(), "verifying must not create a database"
+    # A URL the broker would not take (no async driver named, or no URL at all) is a typo, not a broken chain.
+    for url in ("postgresql://postgres@127.0.0.1:5432/x", "garbage", f"sqlite:///{tmp_path / 'j.db'}"):
+        for command in (["verify", "--database", url], ["export", "--out", str(tmp_path / "x.jsonl"), "--database", url]):
+            typo = CliRunner().invoke(audit_app, command)
+            assert typo.exit_code == 2 and "--database must be a URL the broker uses" in typo.output, (command, typo.output)
     for path, said in ((tmp_path, "is a directory"), (tmp_path / "no-such-dir" / "j.db", "does not exist")):
         wrong = CliRunner().invoke(audit_app, ["verify", "--database", f"sqlite+aiosqlite:///{path}"])
         assert wrong.exit_code == 2 and said in wrong.output, wrong.output
@@ -574,11 +579,6 @@ def test_a_journal_with_no_events_verifies_but_is_said_to_hold_nothing(request, 
     asyncio.run(write_journal(journal))
     result = CliRunner().invoke(audit_app, ["verify", "--database", journal])
     assert result.exit_code == 0 and "nothing to verify" not in result.output, result.output
-    # A URL the broker would not take (no async driver named, or no URL at all) is a typo, not a broken chain.
-    for url in ("postgresql://postgres@127.0.0.1:5432/x", "garbage", f"sqlite:///{tmp_path / 'j.db'}"):
-        for command in (["verify", "--database", url], ["export", "--out", str(tmp_path / "x.jsonl"), "--database", url]):
-            typo = CliRunner().invoke(audit_app, command)
-            assert typo.exit_code == 2 and "--database must be a URL the broker uses" in typo.output, (command, typo.output)
 
 
 def test_a_database_that_accepts_but_never_answers_is_given_up_on_in_seconds(tmp_path):

@@ -297,6 +297,35 @@ def test_an_unreachable_journal_fails_closed_and_the_broker_serves_again_when_it
     assert "journal write failed" not in broker.logs().split("could not be checked against the journal")[-1]
 
 
+def test_a_progress_write_lost_in_an_outage_does_not_cost_the_result_once_the_journal_is_back(relayed_pg, make_broker, upstream):
+    """A slow exchange records its progress lazily, while it waits. If that write fails (the
+    journal is away for a moment), the result's commit sends it again first, in order, rather
+    than being refused after it: the answer is stored and delivered whole, not RESULT_STORE_FAILED."""
+    url, relay = relayed_pg
+    broker = _start_on(make_broker, upstream, url)
+    offset = len(broker.logs())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with broker.client() as client:
+            answer = pool.submit(client.post, CRASH + "/h/slow?delay=3", content=b"{}")
+            upstream.wait_for_requests(1, timeout=10)
+            relay.cut()  # before the progress write, 0.25 s after the request left
+            deadline = time.monotonic() + 5
+            while "journal write failed" not in broker.logs()[offset:] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert "journal write failed; 1 write(s) not recorded" in broker.logs()[offset:], broker.logs()[offset:][-2000:]
+            relay.restore()
+            deadline = time.monotonic() + 10
+            while httpx.get(broker.api_url + "/readyz", timeout=10).status_code != 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            response = answer.result(timeout=20)
+    assert response.status_code == 200 and "affidavit-code" not in response.headers, (response.status_code, response.text[:500])
+    invocation_id = response.headers["affidavit-invocation-id"]
+    record = broker.wait_for(invocation_id, lambda r: r["stage"] == "delivered", timeout=10)
+    kinds = [e["kind"] for e in record["events"]]
+    assert kinds.count("REQUEST_SENT") == 1 and kinds.index("REQUEST_SENT") < kinds.index("REMOTE_RESPONSE_COMPLETE"), kinds
+    assert record["outcome"] == "committed" and upstream.effects == 1
+
+
 def test_a_heartbeat_that_fails_and_comes_back_is_logged_both_times(relayed_pg, make_broker, upstream):
     """The operator who saw "heartbeat failed" at 3 a.m. also learns, at the same level, when the
     journal took heartbeats again."""

@@ -4,12 +4,13 @@ response body that must not rest in plaintext, and an audit chain that verifies 
 from __future__ import annotations
 
 import secrets
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from proxy.crypto import generate_key
-from tests.support.broker import BrokerProcess
+from tests.support.broker import AFFIDAVIT, BrokerProcess
 from tests.support.envelopes import check_envelope
 from tests.support.hostile import HostileUpstream
 from tests.support.journal import dump_journal, query
@@ -121,6 +122,15 @@ def test_records_under_a_dropped_key_get_clear_answers_not_bare_500s(make_broker
         err = shown.stderr.decode()
         assert shown.returncode == 1 and "stored under key 'k1'" in err and "back in [crypto] keys" in err, (args, err)
         assert "database.url" not in err, "the journal answered: the database is not what to check"
+    impostor = tmp_path / "k1-impostor.key"  # the same id, another key: the bytes do not authenticate
+    impostor.write_text(generate_key())
+    config = {**broker.config, "crypto": {"keys": [f"k1=file:{impostor}"]}}
+    (tmp_path / "impostor.toml").write_text(__import__("tomli_w").dumps(config))
+    shown = subprocess.run([AFFIDAVIT, "invocations", "show", invocation_id, "-c", str(tmp_path / "impostor.toml")],
+                           cwd=broker.workdir, env=broker._env(), capture_output=True, timeout=60)
+    err = shown.stderr.decode()
+    assert shown.returncode == 1 and "altered or moved, or the key behind that id" in err and "audit verify" in err, err
+    assert "back in [crypto] keys" not in err
     sent = len(upstream.received)
     with broker.client() as client:
         again = client.post("https://vaulted.example.test/h/ok", content=b"{}", headers={"Idempotency-Key": key})

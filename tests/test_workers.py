@@ -98,7 +98,7 @@ def test_a_worker_killed_mid_request_is_restarted_and_its_record_recovered(pg_ur
     restarted = [e for e in broker.log_entries() if "restarting it" in e["msg"]]
     assert len(restarted) == 1 and restarted[0]["exit"] == "was killed by signal 9 (SIGKILL)", restarted
     assert re.fullmatch(r"worker \d \(pid \d+\) was killed by signal 9 \(SIGKILL\); restarting it .*", restarted[0]["msg"])
-    assert restarted[0]["level"] == "warning" and restarted[0]["logger"] == "affidavit.workers" and restarted[0]["ts"]
+    assert restarted[0]["level"] == "error" and restarted[0]["logger"] == "affidavit.workers" and restarted[0]["ts"]
     assert len(re.findall(r"affidavit: worker \d ready", broker.logs())) == 3, broker.logs()[-2000:]
     assert sum(alive(p) for p in before) == 1, "the killed worker is gone, its sibling still serves"
     assert broker.proc is not None and broker.proc.poll() is None
