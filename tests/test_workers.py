@@ -197,7 +197,7 @@ def test_a_worker_that_fails_to_start_stops_the_start(pg_url, make_broker, upstr
 def test_a_starting_worker_has_a_heartbeat_before_it_serves(pg_url, make_broker, upstream):
     """A worker takes connections on the shared port before it is ready; its siblings' sweeps
     must see it alive by then, or they take its fresh records for a dead broker's."""
-    broker = make_broker(db_url=pg_url, start=False, env={"AFFIDAVIT_FAILPOINTS": "worker_start=pause:8"})
+    broker = make_broker(db_url=pg_url, start=False, env={"AFFIDAVIT_FAILPOINTS": "worker_start=pause:15"})
     assert broker.command("db", "upgrade").returncode == 0
     proc = subprocess.Popen([AFFIDAVIT, "run", "--config", str(broker.config_path), "--workers", "2"], cwd=broker.workdir,
                             env=broker._env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -209,8 +209,11 @@ def test_a_starting_worker_has_a_heartbeat_before_it_serves(pg_url, make_broker,
                     break
             assert proc.poll() is None
             time.sleep(0.1)
-        time.sleep(1.0)  # both workers are at the pause by now (each listens first)
-        rows = query(broker.database_url, "SELECT instance FROM brokers")
+        # Both workers reach the pause (each listens first, then beats), well inside its 15 s even
+        # on a loaded machine; neither is ready before it ends.
+        deadline = time.monotonic() + 10
+        while len(rows := query(broker.database_url, "SELECT instance FROM brokers")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert sorted(r[0][-3:] for r in rows) == ["#w0", "#w1"], rows
     finally:
         proc.terminate()
