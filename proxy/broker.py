@@ -50,7 +50,7 @@ from .contract import (
     retry_after_seconds,
     retry_hint,
 )
-from .codings import Undecodable, codings_of, decode
+from .codings import NAMED_CODINGS, Undecodable, codings_of, decode
 from .crypto import DecryptError
 from .credentials import (
     CredentialUnavailable,
@@ -258,11 +258,11 @@ class _Exchange:
                 try:
                     body = decode(body, transfer, limit)
                 except Undecodable as exc:
-                    problem = f"Transfer-Encoding {', '.join(transfer)}: {exc}"
+                    problem = f"Transfer-Encoding {_named_codings(transfer)}: {exc}"
             codings = response.all_of("Content-Encoding")
             if problem is None:
                 body, changed, inside = redact_body(body, codings, self.needles, limit)
-                problem = inside and f"Content-Encoding {codings}: {inside}"
+                problem = inside and f"Content-Encoding {_named_codings(codings_of(codings))}: {inside}"
             else:
                 body, changed = redact(body, self.needles)
             withheld = None
@@ -1642,6 +1642,12 @@ async def _read(awaitable: Awaitable[T]) -> T:
 
 WITHHELD_HEADER = "Affidavit-Withheld"
 _INLINE_DECODE = 256 * 1024  # bodies above this are decoded in a thread
+
+
+def _named_codings(codings: list[str]) -> str:
+    """The codings as the reason a body was withheld may name them: the ones the broker knows, by
+    name; any other is the upstream's own text (an echo of the secret, say) and is not repeated."""
+    return ", ".join(c if c in NAMED_CODINGS else "(unknown)" for c in codings) or "(none)"
 
 
 def _transfer_codings(response: UpstreamResponse) -> list[str]:

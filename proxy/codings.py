@@ -22,6 +22,8 @@ MAX_MEMBERS = 1024
 #: At most this many codings stacked on one body: each is decoded, and encoded again after a
 #: redaction, in turn; real servers apply one (two when a proxy compresses again).
 MAX_CODINGS = 4
+#: Codings a message may name: the ones this module knows of (any other name is the upstream's text).
+NAMED_CODINGS = KNOWN | {"br", "chunked", "identity", "compress", "x-compress"}
 _STEP = 64 * 1024
 
 
@@ -45,7 +47,7 @@ def decode(body: bytes, codings: list[str], limit: int) -> bytes:
         if coding == "br":
             raise Undecodable("br cannot be decoded within a memory bound here")
         if coding not in KNOWN:
-            raise Undecodable(f"unknown content coding {coding!r}")
+            raise Undecodable("a coding the broker does not know")  # its name is the upstream's text: never quoted
         try:
             body = _DECODERS[coding](body, limit)
         except Undecodable:

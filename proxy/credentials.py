@@ -32,6 +32,10 @@ class Credential:
     value: str = field(repr=False)
 
 
+#: The shortest secret the broker injects: a shorter one cannot be found and redacted reliably.
+MIN_SECRET_LENGTH = 4
+
+
 class CredentialUnavailable(Exception):
     """The credential cannot be used; ``message`` is safe to show (it never names the value)."""
 
@@ -90,6 +94,15 @@ class Credentials:
             value, version = await vault.latest(self._engine, self._ring, source.removeprefix("vault:"), what=what)
         else:
             value, version = read_source(source, what=what)
+        if len(value.strip()) < MIN_SECRET_LENGTH:
+            # Too short to be told apart from ordinary text: an echo of it could not be redacted,
+            # so it is never sent (fail closed) rather than sent and possibly shown to the agent.
+            raise CredentialUnavailable(
+                Code.CREDENTIAL_MISSING,
+                f"{what} is shorter than {MIN_SECRET_LENGTH} characters (surrounding spaces aside): an echo of a value "
+                "that short cannot be told apart from other text and kept from the agent, so it is not sent. "
+                "Configure the real secret.",
+            )
         return Credential(id=name, version=version, value=value)
 
     async def version(self, name: str) -> str | None:
@@ -119,12 +132,18 @@ def injected_header(inject: Injection, credential: Credential) -> tuple[str, str
         token = base64.b64encode(f"{inject.basic}:{credential.value}".encode()).decode("ascii")
         return "Authorization", f"Basic {token}"
     assert inject.header is not None
-    return inject.header, inject.value.replace("{secret}", credential.value)
+    # Surrounding spaces are no part of a field value (RFC 9110 5.5): the upstream reads it without them.
+    return inject.header, inject.value.replace("{secret}", credential.value).strip()
 
 
 def redaction_needles(credential: Credential, header_value: str) -> list[bytes]:
-    """Byte strings that must never be stored or shown: the value and the finished header."""
-    needles = {credential.value, header_value}
+    """Byte strings that must never be stored or shown: the value and the finished header, also as
+    the upstream reads them (a header value's surrounding spaces are not part of it), and a value
+    that is not ASCII also as a server that decodes header bytes as Latin-1 echoes it (WSGI)."""
+    needles = {credential.value, header_value, credential.value.strip(), header_value.strip()}
+    for text in list(needles):
+        if not text.isascii():
+            needles.add(text.encode().decode("latin-1"))
     if header_value.startswith("Basic "):
         needles.add(header_value.removeprefix("Basic "))
     return sorted((n.encode() for n in needles if len(n) >= 4), key=len, reverse=True)
@@ -175,19 +194,19 @@ def _spellings(needle: bytes) -> re.Pattern[bytes] | None:
         if raw[0] in _PLAIN:
             parts.append(re.escape(raw))
             continue
-        forms = {raw, b"".join(b"%%%02X" % b for b in raw), b"".join(b"%%%02x" % b for b in raw)}
+        forms = {raw}
         if char == " ":
             forms.add(b"+")
         if char in '"\\/':
             forms.add(b"\\" + raw)
-        units = char.encode("utf-16-be")
-        escaped = [units[i:i + 2].hex() for i in range(0, len(units), 2)]
-        forms.add("".join(f"\\u{unit}" for unit in escaped).encode())
-        forms.add("".join(f"\\u{unit.upper()}" for unit in escaped).encode())
         forms.update(_HTML.get(char, ()))
         literal = [re.escape(f) for f in sorted(forms, key=len, reverse=True)]
+        units = char.encode("utf-16-be")
+        # Hex digits in either case, each on its own (an encoder may mix them within a character).
+        percent = b"".join(b"%%(?i:%02x)" % b for b in raw)
+        escaped = b"".join(b"\\\\u(?i:%s)" % units[i:i + 2].hex().encode() for i in range(0, len(units), 2))
         numeric = [b"&\\#0*%d;" % ord(char), b"&\\#[xX]0*(?i:%x);" % ord(char)]
-        parts.append(b"(?:" + b"|".join([*literal, *numeric]) + b")")
+        parts.append(b"(?:" + b"|".join([*literal, percent, escaped, *numeric]) + b")")
     return re.compile(b"".join(parts))
 
 

@@ -816,10 +816,13 @@ def test_an_echo_the_upstream_encoded_is_redacted_everywhere(make_broker, upstre
     assert committed["data"]["redacted"] is True
 
 
-@pytest.mark.parametrize("into", ["location", "name", "reason", "job"])
+@pytest.mark.parametrize("into", ["location", "name", "reason", "job", "coding", "transfer"])
 def test_an_echo_outside_the_body_and_header_values_is_redacted_too(broker: BrokerProcess, upstream: HostileUpstream, into: str):
     """An upstream may put the credential it received in a ``Location``, a job id, the reason
-    phrase or a header's name: neither the agent, nor the record, nor the side API sees it."""
+    phrase, a header's name, or the name of a coding (which withholds the body, and the reason it
+    was withheld must not quote it, in any case): neither the agent, nor the record, nor the side
+    API, nor the log sees it."""
+    offset = len(broker.logs())
     secret = CANARIES["PAYMENTS_KEY"]
     proxy = f"http://builder:{broker.agents['builder'].token}@127.0.0.1:{broker.proxy_port}"
     done = subprocess.run(["curl", "-sS", "-i", "--proxy", proxy, "--cacert", str(broker.ca_path), "--max-time", "20",
@@ -846,6 +849,14 @@ def test_an_echo_outside_the_body_and_header_values_is_redacted_too(broker: Brok
     elif into == "name":
         assert headers["x-kept"] == "yes" and result.headers["x-kept"] == "yes"
     committed = next(e for e in json.loads(record)["events"] if e["kind"] == "RESULT_COMMITTED")
+    for text in (done.stdout.decode("latin-1"), record, result.text, json.dumps(dict(result.headers)),
+                 broker.logs()[offset:], dump_journal(broker.database_url)):
+        assert secret.lower() not in text.lower(), "not even lower-cased, or quoted as a coding's name"
+    if into in ("coding", "transfer"):  # a coding it cannot undo: the body is withheld, and why, without the name
+        assert committed["data"]["withheld"] == \
+            f"{'Content' if into == 'coding' else 'Transfer'}-Encoding (unknown): a coding the broker does not know", committed
+        assert headers["affidavit-withheld"] == committed["data"]["withheld"]
+        return
     # The reason phrase is not part of the stored result; everything else was stored redacted.
     assert committed["data"].get("redacted") is (True if into != "reason" else None), committed
 

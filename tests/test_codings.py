@@ -48,7 +48,7 @@ def test_a_body_that_expands_beyond_the_limit_stops_at_the_limit(coding: str):
 @pytest.mark.parametrize(("body", "codings", "why"), [
     (b"not compressed at all", ["gzip"], "gzip"),
     (encoding.encode(ECHO, "gzip")[:-12], ["gzip"], "ends early"),
-    (ECHO, ["compress"], "unknown content coding"),
+    (ECHO, ["compress"], "a coding the broker does not know"),
 ])
 def test_what_cannot_be_decoded_says_why(body: bytes, codings: list[str], why: str):
     with pytest.raises(Undecodable, match=why):
@@ -106,6 +106,7 @@ _SPELLINGS = {
     "JSON, upper-case escapes": json.dumps(SPECIAL)[1:-1].replace("\\u00e9", "\\u00E9"),
     "URL component": urllib.parse.quote(SPECIAL, safe=""),
     "URL path, lower-case hex": re.sub("%[0-9A-F]{2}", lambda m: m.group().lower(), urllib.parse.quote(SPECIAL)),
+    "URL path, hex case mixed within a character": urllib.parse.quote(SPECIAL).replace("%C3%A9", "%C3%a9"),
     "form": urllib.parse.quote_plus(SPECIAL),
     "JavaScript encodeURIComponent": urllib.parse.quote(SPECIAL, safe="!*'()"),
     "HTML": html.escape(SPECIAL),
@@ -128,6 +129,47 @@ def test_an_echo_of_the_secret_is_found_however_the_upstream_encoded_it(how: str
     assert redacted == b'{"headers": [["Authorization", "[REDACTED]"]], "q": "[REDACTED]"}'
     inside, changed, problem = redact_body(encoding.encode(body, "gzip"), "gzip", needles, 1 << 20)
     assert changed and problem is None and encoding.decode(inside, "gzip") == redacted
+
+
+def test_a_secret_with_surrounding_spaces_is_found_as_the_upstream_read_it():
+    """A header value's surrounding spaces are no part of it: the upstream echoes the value
+    without them, and the broker sends it without them."""
+    from proxy.config import Injection
+    from proxy.credentials import injected_header
+
+    credential = Credential("key", "env", SECRET.decode() + " \t")
+    name, value = injected_header(Injection(header="Authorization", value="Bearer {secret}"), credential)
+    assert (name, value) == ("Authorization", "Bearer " + SECRET.decode())
+    echo = b'{"seen": "' + SECRET + b'", "header": "Bearer ' + SECRET + b'"}'
+    assert redact(echo, redaction_needles(credential, value)) == (b'{"seen": "[REDACTED]", "header": "[REDACTED]"}', True)
+
+
+def test_a_secret_that_is_not_ascii_is_found_as_a_latin_1_reading_server_echoes_it():
+    """WSGI servers (PEP 3333) decode header bytes as Latin-1: an echo of a UTF-8 secret through
+    them is its mojibake, JSON-escaped or not."""
+    secret = "cnF\u00e9\u20ac\u00dc_x9Lq"
+    needles = redaction_needles(Credential("key", "env", secret), f"Bearer {secret}")
+    misread = secret.encode().decode("latin-1")
+    for echo in (json.dumps({"a": misread}).encode(), json.dumps({"a": misread}, ensure_ascii=False).encode()):
+        redacted, changed = redact(echo, needles)
+        assert changed and redacted == b'{"a": "[REDACTED]"}', redacted
+
+
+def test_a_secret_too_short_to_be_found_is_never_injected(monkeypatch):
+    import asyncio
+
+    from proxy.config import Settings
+    from proxy.contract import Code
+    from proxy.credentials import Credentials, CredentialUnavailable
+
+    monkeypatch.setenv("AFFIDAVIT_TEST_SHORT", "k7Q ")
+    settings = Settings.model_validate({"secrets": [{"name": "short", "from": "env:AFFIDAVIT_TEST_SHORT"}]})
+    with pytest.raises(CredentialUnavailable) as refused:
+        asyncio.run(Credentials(settings).get("short"))
+    assert refused.value.code is Code.CREDENTIAL_MISSING and "shorter than 4 characters" in refused.value.message
+    assert "k7Q" not in refused.value.message
+    monkeypatch.setenv("AFFIDAVIT_TEST_SHORT", "k7Qx")
+    assert asyncio.run(Credentials(settings).get("short")).value == "k7Qx"
 
 
 def test_a_secret_no_encoding_changes_is_looked_for_as_it_is_and_other_bytes_are_left_alone():

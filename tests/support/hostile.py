@@ -624,7 +624,8 @@ class HostileUpstream:
         ``Authorization`` value after its scheme) where a careless proxy would not look:
         ``?into=location`` (a 201's ``Location``), ``name`` (a header's *name*), ``reason`` (the
         reason phrase), ``job`` (a 202's job id), ``query`` (a 201's ``Location`` with the credential
-        form-encoded in its query, and the same in a form-encoded body)."""
+        form-encoded in its query, and the same in a form-encoded body), ``coding`` (its
+        ``Content-Encoding``), ``transfer`` (its ``Transfer-Encoding``, before ``chunked``)."""
         secret = (entry.header("Authorization") or "").partition(" ")[2]
         into = q.get("into", "location")
         n = self._apply(entry)
@@ -640,6 +641,14 @@ class HostileUpstream:
         elif into == "query":
             encoded = urllib.parse.quote_plus(secret)
             status, headers, body = 201, [("Location", f"/things?token={encoded}")], f"token={encoded}".encode()
+        elif into == "coding":
+            headers = [("Content-Encoding", secret)]
+        elif into == "transfer":
+            entry.response_status = status
+            await conn.send(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: %s, chunked\r\nConnection: close\r\n\r\n"
+                            b"%x\r\n%s\r\n0\r\n\r\n" % (secret.encode(), len(body), body))
+            conn.close()
+            return False
         entry.response_status = status
         close = _wants_close(entry)
         await conn.send(_response(status, body, headers, close=close, reason=reason))
