@@ -1747,6 +1747,10 @@ def _job_reference(response: UpstreamResponse) -> str | None:
         for key in _JOB_KEYS:
             value = body.get(key)
             if isinstance(value, (str, int)) and len(str(value)) <= 200:
-                return str(value)
+                # JSON may escape a lone surrogate (\ud800), which no text encoding can store.
+                return _LONE_SURROGATE.sub("\ufffd", str(value))
     return None
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 

@@ -140,13 +140,15 @@ class InvocationLog:
         seq = (self.record.last_seq or 0) + 1
         event = Event(kind, data, seq)
         was_ended = self.record.ended
-        self.record = apply(self.record, event)
+        record = apply(self.record, event)
+        # Encoded before the record moves on: data that cannot be stored leaves the record as it was.
+        payload, key_id = self.journal.encode_payload(self.invocation_id, seq, data)
+        self.record = record
         if kind is EventKind.DISPATCH_STARTED:
             self.attempts_used = self.record.dispatch_count
             self._dispatched_at = time.monotonic()
         if self.record.ended and not was_ended:
             self._log_end()
-        payload, key_id = self.journal.encode_payload(self.invocation_id, seq, data)
         self._buffer.append(EventRow(self.invocation_id, seq, kind.value, utcnow(), payload, key_id))
         return event
 

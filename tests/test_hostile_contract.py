@@ -298,6 +298,16 @@ def test_a_202_records_the_job_reference_and_is_not_done(broker, upstream):
     assert record["evidence"]["job_ref"] == "job-7"
 
 
+def test_a_job_id_no_text_encoding_can_store_is_kept_replaced_and_the_answer_recorded(broker, upstream):
+    """JSON can escape a lone surrogate; no encoding of text can store one. The answer is still
+    the result (not a 500 that leaves the record in flight for good), its job id with U+FFFD."""
+    with broker.client() as client:
+        response = client.post(f"{H}/h/status?code=202&surrogate=1", content=b"{}")
+    assert response.status_code == 202 and response.headers["affidavit-outcome"] == "committed", response.text[:300]
+    record = record_of(broker, response.headers["affidavit-invocation-id"])
+    assert record["outcome"] == "committed" and record["evidence"]["job_ref"] == "job-\ufffd-7", record["evidence"]
+
+
 def test_100_continue_then_a_final_response_is_decided_by_the_final_one(broker, upstream):
     with broker.client() as client:
         response = client.post(f"{H}/h/continue_final?code=201", content=b'{"x":1}')

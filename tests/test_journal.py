@@ -95,6 +95,23 @@ def _accepted(journal: Journal) -> InvocationLog:
     return entry
 
 
+def test_an_event_whose_data_cannot_be_stored_leaves_the_record_as_it_was(db):
+    """Encoding comes before the transition: a fact that cannot be written (a lone surrogate) is
+    refused whole, and the record does not claim a stage the journal will never hold."""
+    async def scenario():
+        journal = Journal(make_engine(db), writer="w1")
+        entry = _accepted(journal)
+        before = entry.record
+        with pytest.raises(Exception):
+            entry.append(EventKind.PREFLIGHT_VALIDATED, route="r\ud800")
+        assert entry.record == before and len(entry._buffer) == 1
+        entry.append(EventKind.PREFLIGHT_VALIDATED, route="r")
+        assert entry.record.last_seq == 2
+        await journal.engine.dispose()
+
+    asyncio.run(scenario())
+
+
 def test_a_lazy_write_does_not_wake_the_writer_and_goes_after_its_linger_or_with_the_next_commit(db):
     """Rows nobody waits for (an invocation's first facts, a delivery record) neither wake the
     writer nor wait for ever: they ride with the next write somebody waits for, or go alone once

@@ -597,7 +597,7 @@ class HostileUpstream:
         ``?header=Name:Value`` for any extra response header, ``?hop=Name`` for a header ``Name``
         that the response's ``Connection`` header names (an option of that hop only), ``?nest=N``
         for a body of N ``[`` (JSON nested past any parser's depth), ``?pad=N`` for an ``X-Pad``
-        header of N bytes."""
+        header of N bytes, ``?surrogate=1`` for a JSON job id holding a lone surrogate escape."""
         code = int(q.get("code", "200"))
         n = self._apply(entry)
         headers = [(h, q[p]) for p, h in (("retry_after", "Retry-After"), ("location", "Location")) if p in q]
@@ -611,6 +611,8 @@ class HostileUpstream:
         body = _json({"job_id": q["job"], "status": "pending"} if "job" in q else {"status": code, "effects": n})
         if "nest" in q:  # a JSON document nested ?nest= levels deep, never closed
             body = b"[" * int(q["nest"])
+        if "surrogate" in q:  # a job id JSON can spell but no text encoding can store
+            body = b'{"job_id": "job-\\ud800-7", "status": "pending"}'
         return await self._send(conn, entry, code, b"" if code in (204, 304) else body, headers)
 
     async def _b_big(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
