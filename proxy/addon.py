@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+import gc
 import hmac
 import logging
 import re
@@ -670,6 +671,7 @@ class BrokerAddon:
         #: Set once mitmproxy's proxyserver is known (:meth:`running`); without it, a response
         #: counts as delivered once written, as mitmproxy's own hooks see it.
         self.handover: Handover | None = None
+        self.garbage = BodyGarbage()
 
     def running(self) -> None:
         from mitmproxy import ctx
@@ -711,6 +713,7 @@ class BrokerAddon:
             flow.response = _internal_error()
 
     async def request(self, flow: http.HTTPFlow) -> None:
+        self.garbage.seen(len(flow.request.raw_content or b""))  # refused ones too: mitmproxy read it
         if flow.response is not None:
             return
         try:
@@ -748,6 +751,8 @@ class BrokerAddon:
             flow.response = _internal_error()
 
     def response(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None:
+            self.garbage.seen(len(flow.response.raw_content or b""))
         reply = self._unsent.pop(flow.id, None)
         if reply is None:
             return
@@ -786,6 +791,33 @@ class BrokerAddon:
         except Exception:
             log.exception("could not record a caller's disconnect")
 
+
+
+#: Body bytes after which the cycle collector runs in full (see :class:`BodyGarbage`).
+COLLECT_AFTER_BYTES = 64 * 1024 * 1024
+
+
+class BodyGarbage:
+    """A full cycle collection once flows have carried ``limit`` bytes of bodies since the last.
+
+    A finished flow's objects sit in reference cycles (mitmproxy's flows and layers), and so its
+    bodies with them, until the cycle collector runs; the broker's thresholds count objects
+    (:func:`proxy.app.tune_gc`), which a few large bodies barely move, so hundreds of MiB of dead
+    bodies could stay (a few dozen 10 MiB uploads, refused ones included: mitmproxy reads the
+    body before the 407 goes out). Counting bytes bounds that garbage. The collection runs after
+    the current step, and only walks objects made since start-up (the rest are frozen)."""
+
+    def __init__(self, limit: int = COLLECT_AFTER_BYTES):
+        self.limit = limit
+        self.bytes = 0
+        self.collections = 0
+
+    def seen(self, size: int) -> None:
+        self.bytes += size
+        if self.bytes >= self.limit:
+            self.bytes = 0
+            self.collections += 1
+            asyncio.get_running_loop().call_soon(gc.collect)
 
 
 #: How long a response may stay unwritten after its hook before the watch stops waiting for it.
