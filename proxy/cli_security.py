@@ -88,6 +88,11 @@ def _read_value() -> str:
         value = typer.prompt("Value", hide_input=True, confirmation_prompt=True)
     if not value:
         _fail("no value was given (stdin was empty); nothing was stored")
+    from .credentials import MIN_SECRET_LENGTH
+
+    if len(value.strip()) < MIN_SECRET_LENGTH:  # the broker would refuse to send it (it could not be redacted)
+        _fail(f"the value is shorter than {MIN_SECRET_LENGTH} characters (surrounding spaces aside): the broker never "
+              "sends a secret that short, since an echo of it could not be kept from the agent; nothing was stored")
     return value
 
 

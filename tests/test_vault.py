@@ -235,6 +235,14 @@ def test_secrets_set_reads_stdin_prints_only_name_and_version_and_stores_ciphert
         assert not any(secret in text for text in (*outputs, listed.stdout, listed.stderr))
 
 
+def test_secrets_set_refuses_a_value_too_short_to_be_redacted(cli):
+    db, workdir, config, key, keys = cli
+    done = run_cli("secrets_app", "set", "payments-key", "-c", str(config), cwd=workdir, env=cli_env(key), stdin="k7Q \n")
+    assert done.returncode == 1 and "shorter than 4 characters" in done.stderr and "nothing was stored" in done.stderr
+    assert "k7Q" not in done.stdout + done.stderr
+    assert with_engine(db, vault.list_secrets) == {}
+
+
 @pytest.mark.parametrize("argv", [["payments-key", "{value}"], ["payments-key", "--value={value}"], ["payments-key", "--value", "{value}"]])
 def test_secrets_set_refuses_a_value_on_the_command_line_and_does_not_echo_it(cli, argv):
     db, workdir, config, key, keys = cli
