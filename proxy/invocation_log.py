@@ -279,7 +279,11 @@ class InvocationLog:
         A write nobody waited for that failed (a lazy one, during an outage) would have every
         later write of this invocation refused after it: it is sent again first, in order."""
         if any(_failed(w) for w in self._unconfirmed):  # those after it, still queued, fail with it
-            await self.resubmit()
+            try:
+                await self.resubmit()
+            except LeaseLost:  # another broker closed the record meanwhile: these can never be made
+                raise JournalUnavailable("an earlier write of this invocation failed, and another broker has "
+                                         "closed the record since") from None
         await self.submit(result=result, fence=fence, claim=claim)
         self.durable = True
 

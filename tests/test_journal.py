@@ -519,6 +519,9 @@ def test_resubmit_refuses_when_other_events_took_those_sequence_numbers(db):
         await other.commit()
         with pytest.raises(LeaseLost):
             await entry.resubmit()
+        entry.append(EventKind.RESULT_COMMITTED)  # a commit sends them again first: refused as the outage it was
+        with pytest.raises(JournalUnavailable, match="another broker has closed the record"):
+            await entry.commit()
         await journal.close()
         await journal.engine.dispose()
 
