@@ -810,13 +810,11 @@ class BodyGarbage:
     def __init__(self, limit: int = COLLECT_AFTER_BYTES):
         self.limit = limit
         self.bytes = 0
-        self.collections = 0
 
     def seen(self, size: int) -> None:
         self.bytes += size
         if self.bytes >= self.limit:
             self.bytes = 0
-            self.collections += 1
             asyncio.get_running_loop().call_soon(gc.collect)
 
 

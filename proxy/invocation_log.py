@@ -354,18 +354,20 @@ class InvocationLog:
 
     @property
     def broken(self) -> bool:
-        last = self._last
-        return last is not None and last.done() and (last.cancelled() or last.exception() is not None)
+        return _went_wrong(self._last)
+
+
+def _went_wrong(future: asyncio.Future[None] | None) -> bool:
+    return future is not None and future.done() and (future.cancelled() or future.exception() is not None)
 
 
 def _durable(write: Write) -> bool:
     future = write.future
-    return future is not None and future.done() and not future.cancelled() and future.exception() is None
+    return future is not None and future.done() and not _went_wrong(future)
 
 
 def _failed(write: Write) -> bool:
-    future = write.future
-    return future is not None and future.done() and (future.cancelled() or future.exception() is not None)
+    return _went_wrong(write.future)
 
 
 def _done() -> asyncio.Future[None]:
