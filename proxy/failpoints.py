@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 from dataclasses import dataclass
@@ -68,10 +69,14 @@ def _parse(spec: str) -> dict[str, _Action]:
         if kind not in ("kill", "raise", "pause"):
             raise ValueError(f"{ENV}: {name}: action must be kill, raise or pause:SECONDS")
         try:
-            actions[name] = _Action(kind, float(arg or 0), int(count) if count else None)
+            seconds, remaining = float(arg or 0), int(count) if count else None
         except ValueError:
-            raise ValueError(f"{ENV}: {name}: {entry!r} is not name=action[@count] (pause takes seconds, count "
-                             "a whole number)") from None
+            seconds, remaining = math.nan, None
+        if (not math.isfinite(seconds) or seconds < 0 or (kind != "pause" and arg) or (kind == "pause" and not arg)
+                or (remaining is not None and remaining < 1)):
+            raise ValueError(f"{ENV}: {name}: {entry!r} is not name=action[@count] (pause takes a finite number of "
+                             "seconds, 0 or more; kill and raise take none; count is a whole number, 1 or more)")
+        actions[name] = _Action(kind, seconds, remaining)
     return actions
 
 

@@ -535,6 +535,28 @@ def test_a_malformed_failpoints_variable_stops_the_start_in_one_line_and_nothing
     assert not (tmp_path / "j.db").exists(), "nothing was started"
 
 
+@pytest.mark.parametrize("spec", ["during_tls=pause:inf", "during_tls=pause:nan", "during_tls=pause:-1",
+                                  "during_tls=pause", "during_tls=kill:3", "during_tls=raise@0", "during_tls=kill@-1",
+                                  "during_tls=kill@1.5"])
+def test_a_failpoint_that_could_never_act_as_written_is_refused(spec):
+    """A pause forever, a negative pause, a count that never fires: each would make a drill that
+    proves nothing, so each is an error at start like an unknown name."""
+    from proxy.failpoints import _load
+
+    actions, problem = _load(spec)
+    assert actions == {} and problem is not None and "is not name=action[@count]" in problem, (spec, problem)
+
+
+def test_well_formed_failpoints_are_read_as_written():
+    from proxy.failpoints import _load
+
+    actions, problem = _load("during_tls=pause:0.5@2; after_lease=kill; heartbeat=raise@1; after_approval=pause:0")
+    assert problem is None
+    assert {name: (a.kind, a.seconds, a.remaining) for name, a in actions.items()} == {
+        "during_tls": ("pause", 0.5, 2), "after_lease": ("kill", 0.0, None), "heartbeat": ("raise", 0.0, 1),
+        "after_approval": ("pause", 0.0, None)}
+
+
 @pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
 def test_db_upgrade_says_what_it_did(tmp_path, pg_admin_url, dialect):
     """Created, upgraded, or nothing to do: an operator can tell them apart (and notice a journal
