@@ -23,6 +23,7 @@ from typing import Any, Callable
 from mitmproxy import http
 from mitmproxy.connection import Client, ConnectionState
 
+from . import metrics
 from .broker import AgentRequest, Broker, Reply, internal_error, should_retry, shown
 from .contract import CallerDisposition, Code, Outcome, Phase, Retry
 from .envelope import MEDIA_TYPE, encode, envelope
@@ -105,15 +106,53 @@ def auth_required() -> http.Response:
     )
 
 
-def credentials_rejected() -> http.Response:
+def credentials_rejected(close: bool) -> http.Response:
+    """``close``: end the connection after this answer (HTTP/1), so that a guess costs a new
+    connection; a client that sent no credentials yet keeps its connection for the retry."""
     return _refusal(
         407,
         Code.PROXY_AUTH_REQUIRED,
         "The proxy credentials were not accepted: the agent name or its token in the proxy URL "
         "(http://AGENT:TOKEN@host:port) is wrong, or the token was rotated. "
         "Nothing was sent and nothing was recorded.",
-        [("Proxy-Authenticate", REALM)],
+        [("Proxy-Authenticate", REALM), *([("Connection", "close")] if close else [])],
     )
+
+
+class RejectionLog:
+    """Wrong proxy credentials, logged for the operator without letting a guessing client flood
+    the log: the first rejection of a (who, address) pair is logged at once; further ones within
+    ``window`` seconds are counted, and the next rejection after the window is logged with that
+    count. ``affidavit_proxy_auth_rejected`` counts every one."""
+
+    def __init__(self, window: float = 60.0, pairs: int = 1024, clock: Callable[[], float] = time.monotonic):
+        self.window = window
+        self._pairs = pairs
+        self._clock = clock
+        self._seen: dict[tuple[str | None, str], list[float | int]] = {}  # pair -> [logged at, not logged since]
+
+    def rejected(self, known: str | None, address: str) -> None:
+        metrics.PROXY_AUTH_REJECTED.labels(known or "(unknown)").inc()
+        now = self._clock()
+        pair = (known, address)
+        seen = self._seen.get(pair)
+        if seen is not None and now - seen[0] < self.window:
+            seen[1] += 1
+            return
+        skipped = int(seen[1]) if seen is not None else 0
+        if seen is None and len(self._seen) >= self._pairs:
+            self._forget_quiet(now)
+        self._seen[pair] = [now, 0]
+        who = f"agent {known!r}" if known else "an agent name this broker does not know"
+        more = (f" ({skipped} more from there in the {self.window:.0f} s before, not logged one by one)"
+                if skipped else "")
+        log.warning("proxy credentials rejected for %s from %s%s", who, address, more,
+                    extra={"agent": known, "code": Code.PROXY_AUTH_REQUIRED.value, "not_logged": skipped})
+
+    def _forget_quiet(self, now: float) -> None:
+        quiet = [pair for pair, (at, skipped) in self._seen.items() if now - at >= self.window and not skipped]
+        for pair in quiet or list(self._seen)[: len(self._seen) // 2]:
+            del self._seen[pair]
 
 
 #: Fields HTTP/2 forbids in a request (RFC 9113 8.2.2): each only means something on one
@@ -600,6 +639,7 @@ class AgentAuth:
     def __init__(self, tokens: dict[str, str]):
         self._tokens = {name: token.encode() for name, token in tokens.items()}
         self._by_client: dict[str, str] = {}
+        self.rejections = RejectionLog()
 
     @staticmethod
     def _basic(header: str | None) -> tuple[str, str, str] | None:
@@ -632,13 +672,9 @@ class AgentAuth:
             return auth_required()
         basic = self._basic(header)
         known = basic[0] if basic is not None and basic[0] in self._tokens else None
-        who = f"agent {known!r}" if known else "an agent name this broker does not know"
         peer = flow.client_conn.peername
-        log.warning(
-            "proxy credentials rejected for %s from %s", who, peer[0] if peer else "?",
-            extra={"agent": known, "code": Code.PROXY_AUTH_REQUIRED.value},
-        )
-        return credentials_rejected()
+        self.rejections.rejected(known, str(peer[0]) if peer else "?")
+        return credentials_rejected(close=flow.request.http_version.startswith("HTTP/1"))
 
     def agent_of(self, flow: http.HTTPFlow) -> str | None:
         agent = self._by_client.get(flow.client_conn.id)

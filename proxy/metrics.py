@@ -33,6 +33,12 @@ IN_FLIGHT = Gauge(
     "affidavit_in_flight", "Agent requests being handled right now.", registry=REGISTRY, multiprocess_mode="livesum"
 )
 REPLAYS = Counter("affidavit_replays", "Recorded results served again instead of re-executing.", ["channel"], registry=REGISTRY)
+PROXY_AUTH_REJECTED = Counter(
+    "affidavit_proxy_auth_rejected",
+    "Requests refused with 407 for wrong proxy credentials, by configured agent name ((unknown) otherwise).",
+    ["agent"],
+    registry=REGISTRY,
+)
 RECOVERED = Counter(
     "affidavit_recovered", "In-flight records of stopped brokers closed by this broker.", registry=REGISTRY
 )

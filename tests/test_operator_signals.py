@@ -47,6 +47,7 @@ ALLOWED_LABELS: dict[str, set[str]] = {
     "outcome": {o.value for o in Outcome} | {""},
     "code": {c.value for c in Code} | {""},
     "channel": CHANNELS,
+    "agent": {"builder", "reviewer", "(unknown)"},
 }
 #: Every form a canary could leak in: as is, and basic-encoded the way the ``basic`` route sends it.
 FORBIDDEN = [*CANARIES.values(), *(base64.b64encode(f"svc:{v}".encode()).decode() for v in CANARIES.values())]
@@ -235,6 +236,76 @@ def test_metrics_count_known_traffic_with_bounded_labels(make_broker, upstream: 
     assert single(families, "affidavit_dispatch_record_seconds", "affidavit_dispatch_record_seconds_sum") > 0
 
     assert_bounded_labels(text, families)
+
+
+def _rejected_on_one_connection(broker: BrokerProcess, source: str, token: str, attempts: int) -> tuple[list[bytes], bool]:
+    """``attempts`` requests with a wrong token pipelined on one connection from ``source``: the
+    answers read, and whether the broker closed the connection."""
+    auth = base64.b64encode(f"builder:{token}".encode())
+    request = (b"GET http://plain.example.test/h/ok HTTP/1.1\r\nHost: plain.example.test\r\n"
+               b"Proxy-Authorization: Basic " + auth + b"\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", broker.proxy_port), timeout=10, source_address=(source, 0)) as sock:
+        sock.sendall(request * attempts)
+        data, closed = b"", False
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            chunk = sock.recv(65536)
+            if not chunk:
+                closed = True
+                break
+            data += chunk
+    return [head for head in re.findall(rb"HTTP/1\.1 \d{3}[^\r]*", data)], closed
+
+
+@pytest.mark.parametrize("dialect", ["sqlite"])
+def test_a_guessing_client_is_refused_per_connection_counted_every_time_and_logged_once(
+        make_broker, upstream: HostileUpstream, dialect: str):
+    """Wrong proxy credentials: the 407 closes the connection (a guess costs a new one), every
+    rejection is counted, and a burst from one address is one log line, not one per guess."""
+    broker = make_broker(dialect)
+    answers, closed = _rejected_on_one_connection(broker, "127.0.0.3", "guess-0", attempts=5)
+    assert answers == [b"HTTP/1.1 407 Proxy Authentication Required"] and closed, (answers, closed)
+    for n in range(1, 30):
+        answers, closed = _rejected_on_one_connection(broker, "127.0.0.3", f"guess-{n}", attempts=1)
+        assert answers == [b"HTTP/1.1 407 Proxy Authentication Required"] and closed
+    _rejected_on_one_connection(broker, "127.0.0.4", "guess-other", attempts=1)
+    with broker.client() as client:  # the right token still works, on a connection kept alive
+        assert client.get("http://plain.example.test/h/ok").status_code == 200
+        assert client.get("http://plain.example.test/h/ok").status_code == 200
+    assert [r.path for r in upstream.received if r.method] == ["/h/ok", "/h/ok"], "no refused guess was forwarded"
+
+    _, families = scrape(broker)
+    assert samples(families, "affidavit_proxy_auth_rejected", "affidavit_proxy_auth_rejected_total") == {("builder",): 31.0}
+    lines = [e for e in broker.log_entries() if e["msg"].startswith("proxy credentials rejected")]
+    assert [(e["msg"], e["agent"], e["code"]) for e in lines] == [
+        ("proxy credentials rejected for agent 'builder' from 127.0.0.3", "builder", "PROXY_AUTH_REQUIRED"),
+        ("proxy credentials rejected for agent 'builder' from 127.0.0.4", "builder", "PROXY_AUTH_REQUIRED"),
+    ], lines
+    assert "guess-" not in broker.logs(), "a token is never logged"
+
+
+def test_rejections_within_the_window_are_counted_into_the_next_line(caplog):
+    from proxy.addon import RejectionLog
+
+    now = [100.0]
+    rejections = RejectionLog(window=60, pairs=2, clock=lambda: now[0])
+    caplog.set_level("WARNING", logger="affidavit.addon")
+    for _ in range(4):
+        rejections.rejected("builder", "10.0.0.1")
+    now[0] += 59.9
+    rejections.rejected("builder", "10.0.0.1")
+    rejections.rejected(None, "10.0.0.1")  # another pair: logged at once
+    now[0] += 0.2
+    rejections.rejected("builder", "10.0.0.1")  # 60.1 s after the first line: logged, with the 4 before
+    assert [(r.getMessage(), r.not_logged) for r in caplog.records] == [
+        ("proxy credentials rejected for agent 'builder' from 10.0.0.1", 0),
+        ("proxy credentials rejected for an agent name this broker does not know from 10.0.0.1", 0),
+        ("proxy credentials rejected for agent 'builder' from 10.0.0.1 (4 more from there in the 60 s before, "
+         "not logged one by one)", 4),
+    ]
+    # A third address with two pairs remembered: one is forgotten, the new one is logged.
+    rejections.rejected("builder", "10.0.0.2")
+    assert caplog.records[-1].getMessage().endswith("from 10.0.0.2") and len(rejections._seen) <= 2
 
 
 # -- structured logs ------------------------------------------------------------------------------
