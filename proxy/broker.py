@@ -1100,6 +1100,13 @@ class Broker:
         except Exception:  # pragma: no cover - the exchange task itself never raises
             log.exception("exchange %s crashed", entry.invocation_id)
             return
+        if settled is not None and settled.refused is not None and settled.refused.code is Code.JOURNAL_UNAVAILABLE:
+            # Its DISPATCH_STARTED write failed and may have landed: as for a caller still waiting
+            # (:meth:`_answer`), the record is closed once the journal answers, by what it holds.
+            self._spawn(self._close_when_journal_returns(entry.invocation_id, answered=False))
+            return
+        if settled is not None and settled.refused is not None and settled.refused.code is Code.LEASE_LOST:
+            return  # another broker owns the record now: this one can write nothing to it (see _lease_lost)
         if settled is None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -1178,9 +1185,11 @@ class Broker:
         message = settled.message or _message(code, record.outcome)
         return self._envelope_reply(entry, code, record.phase, record.outcome, retry, message)
 
-    async def _close_when_journal_returns(self, invocation_id: str) -> None:
+    async def _close_when_journal_returns(self, invocation_id: str, *, answered: bool = True) -> None:
         """End, by appending, a record whose dispatch write the journal refused; this broker sent
-        nothing. If DISPATCH_STARTED did land (an ambiguous commit), the record says unknown."""
+        nothing. If DISPATCH_STARTED did land (an ambiguous commit), the record says unknown.
+        ``answered``: the caller got the 503 (else it had left, and the record says so if it does
+        not yet)."""
         deadline = time.monotonic() + self.settings.upstream.result_horizon
         while time.monotonic() < deadline:
             await asyncio.sleep(1.0)
@@ -1196,7 +1205,7 @@ class Broker:
                                       generation=row["generation"])
                 entry.credential = (row["credential_id"], row["credential_version"], row["injection"])
                 for kind, data in closing_events(
-                    record, cause="journal unavailable at the dispatch write", code=Code.JOURNAL_UNAVAILABLE, answered=True,
+                    record, cause="journal unavailable at the dispatch write", code=Code.JOURNAL_UNAVAILABLE, answered=answered,
                     after_dispatch="the journal took DISPATCH_STARTED but did not confirm it, so this broker sent "
                                    "nothing; the record cannot prove that (reconcile it)"):
                     entry.append(kind, **data)

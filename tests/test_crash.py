@@ -424,6 +424,42 @@ def test_a_keyed_record_refused_at_the_dispatch_write_is_closed_when_the_journal
     assert upstream.effects == 0, "nothing is forwarded without a durable DISPATCH_STARTED"
 
 
+def test_a_caller_that_left_during_a_failed_dispatch_write_still_gets_its_record_closed(relayed_pg, make_broker, upstream):
+    """The agent hangs up while DISPATCH_STARTED's commit is in flight, and the journal then fails
+    that commit (it landed, unacknowledged). Nobody is waiting for an answer, but the record must
+    still end, as what the broker knows (unknown: it sent nothing, the record cannot prove it), and
+    the key must not stay "in progress" for as long as the broker runs."""
+    url, relay = relayed_pg
+    # A horizon beyond the journal's 5 s timeout: the failed commit, not the horizon, ends the exchange.
+    routes = [{**route, "result_horizon": "30s"} for route in crash_routes(upstream)]
+    broker = make_broker(routes=routes, db_url=url, env={"AFFIDAVIT_FAILPOINTS": "during_tls=pause:1.5@1"})
+    key = f"gone-{time.monotonic_ns()}"
+    outcome: dict[str, Any] = {}
+
+    def leave_during_the_commit() -> None:
+        try:
+            post(broker, SAFE + "/h/ok", key, timeout=3.0)  # gives up while the commit hangs (1.5-6.5 s)
+        except httpx.TimeoutException as exc:
+            outcome["left"] = exc
+
+    thread = threading.Thread(target=leave_during_the_commit)
+    thread.start()
+    time.sleep(0.7)  # PREFLIGHT_VALIDATED is durable (keyed); the broker pauses before DISPATCH_STARTED
+    relay.deafen()
+    thread.join(20)
+    assert "left" in outcome, "the caller gave up before the journal did"
+    time.sleep(5.0)  # the journal's timeout runs out on the DISPATCH_STARTED commit
+    invocation_id = record_by_key_when_back(broker, relay, key)
+    record = broker.wait_for(invocation_id, lambda r: r["retry"] is not None, timeout=20)
+    assert (record["outcome"], record["code"], record["retry"]) == ("unknown", "REMOTE_OUTCOME_UNKNOWN", "same_idempotency_key"), record
+    assert record["caller_disposition"] == "disconnected", record
+    assert "did not confirm it, so this broker sent nothing" in record["events"][-1]["data"]["basis"], record["events"][-1]
+    assert "IllegalTransition" not in broker.logs() and "never retrieved" not in broker.logs(), broker.logs()[-3000:]
+    again = post(broker, SAFE + "/h/ok", key)
+    assert again.status_code == 200 and again.headers["affidavit-invocation-id"] == invocation_id, again.text
+    assert len([r for r in upstream.received if r.method]) == 1, "sent once: by the same-key re-send, never before"
+
+
 def test_a_read_only_database_fails_closed(make_broker, upstream, pg_admin_url):
     url, drop = fresh_database(pg_admin_url)
     try:
