@@ -121,6 +121,9 @@ class InvocationLog:
         #: Writes not known to be durable yet, oldest first (pruned as they succeed): what
         #: :meth:`resubmit` sends again after the journal failed them.
         self._unconfirmed: list[Write] = []
+        #: Held while failed writes are sent again: two commits of this invocation at once (the
+        #: background finisher and the delivery repair) must not both resend the same writes.
+        self._resending: asyncio.Lock | None = None
         self._created_at = utcnow()
         #: The last failure's internal diagnostic (library or secret-source text, never a value),
         #: for the operator's end-of-invocation log line.
@@ -313,7 +316,20 @@ class InvocationLog:
         :class:`LeaseLost` when other events hold those sequence numbers (another broker closed
         the record meanwhile: these writes can never be made).
         """
+        if self._resending is None:
+            self._resending = asyncio.Lock()
+        async with self._resending:  # another commit's resend may have made some of them since
+            await self._resend()
+
+    async def _resend(self) -> None:
         for write in [w for w in self._unconfirmed if not _durable(w)]:
+            if write.future is not None and not write.future.done():
+                # Still in flight (another commit's, sent after its resend): it ends first, and
+                # one that lands is not sent twice.
+                await asyncio.wait([write.future])
+                if _durable(write):
+                    self._unconfirmed.remove(write)
+                    continue
             again = Write(
                 events=write.events,
                 insert_invocation=write.insert_invocation,

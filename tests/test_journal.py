@@ -506,6 +506,21 @@ def test_a_write_after_a_resubmit_goes_after_the_resubmitted_one(db, land):
     assert _stored_after_a_refusal(db, land, then) == [1, 2, 3, 4, 5, 6], "every event, once, in order"
 
 
+@pytest.mark.parametrize("land", [True, False])
+def test_two_commits_after_a_failed_write_resend_it_once_and_both_succeed(db, land):
+    """Two coroutines commit one invocation after a write of it failed (the background finisher
+    and the delivery repair, say): the failed writes go again once, not once per commit, and
+    neither commit fails for the other's resend."""
+    async def then(entry: InvocationLog) -> None:
+        entry.append(EventKind.RESULT_COMMITTED)
+        first = entry.commit()
+        entry.append(EventKind.RESULT_DELIVERED)
+        second = entry.commit()
+        assert await asyncio.gather(first, second, return_exceptions=True) == [None, None]
+
+    assert _stored_after_a_refusal(db, land, then) == [1, 2, 3, 4, 5, 6, 7], "every event, once, in order"
+
+
 def test_resubmit_refuses_when_other_events_took_those_sequence_numbers(db):
     """Another broker closed the record meanwhile (its owner looked dead): the held writes can
     never be made, and resubmit says so rather than count them as landed."""
