@@ -634,7 +634,22 @@ class Broker:
     async def _attempt(self, entry: InvocationLog, req: AgentRequest, route: Route, key: str | None, generated: bool) -> Reply:
         """One attempt (:meth:`_one_attempt`); its key is bound by now, so every answer names it
         (a denial, an approval's timeout and a credential refusal included)."""
-        reply = await self._one_attempt(entry, req, route, key, generated)
+        try:
+            reply = await self._one_attempt(entry, req, route, key, generated)
+        except queries.DATABASE_ERRORS as exc:
+            if entry.record.dispatch_started or entry.record.ended or not queries.unreachable(exc):
+                raise  # an error the database answered with (a damaged schema) is a 500, as elsewhere
+            # A read of the database before dispatch (the vault's secret, an approval's state)
+            # failed: nothing was sent, and the record, bound to its key, must not stay open.
+            log.warning("invocation %s: a database read before dispatch failed (%s); nothing was sent",
+                        entry.invocation_id, brief(exc))
+            reply = await self._refuse(
+                entry, Phase.VALIDATION, Code.JOURNAL_UNAVAILABLE,
+                "The broker could not read its database while preparing this request, so it sent nothing. "
+                "Retry after a delay" + (" with the same key" if key is not None else "") +
+                "; operators: check the database.",
+                diagnostic=brief(exc),
+            )
         if key is not None and not any(name == IDEMPOTENCY_KEY_HEADER for name, _ in reply.headers):
             reply.headers.append((IDEMPOTENCY_KEY_HEADER, key))
         return reply

@@ -63,6 +63,10 @@ def read_source(source: str, *, what: str) -> tuple[str, str]:
             raise CredentialUnavailable(
                 Code.CREDENTIAL_MISSING, f"{what}: cannot read {path} ({exc.strerror or 'unreadable'})"
             ) from None
+        except UnicodeDecodeError:
+            raise CredentialUnavailable(
+                Code.CREDENTIAL_MISSING, f"{what}: {path} is not UTF-8 text (the secret is read as text; a binary "
+                "key file does not work here)") from None
         if not value:
             raise CredentialUnavailable(Code.CREDENTIAL_MISSING, f"{what}: {path} is empty")
         return value, f"file-{stat.st_mtime_ns}"

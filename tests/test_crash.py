@@ -460,6 +460,44 @@ def test_a_caller_that_left_during_a_failed_dispatch_write_still_gets_its_record
     assert len([r for r in upstream.received if r.method]) == 1, "sent once: by the same-key re-send, never before"
 
 
+def test_a_vault_read_that_fails_before_dispatch_says_not_attempted_and_closes_the_record(relayed_pg, make_broker, upstream, tmp_path):
+    """The database goes away between the key's binding and the vault read of the secret: nothing
+    was sent, so the agent is told so (not a 500 that cannot vouch for anything), and the record,
+    bound to its key, is closed once the database is back rather than left "in progress"."""
+    from proxy.crypto import generate_key
+
+    url, relay = relayed_pg
+    key_file = tmp_path / "k1.key"
+    key_file.write_text(generate_key())
+    route = {**crash_routes(upstream)[1], "credential": "vaulted", "inject": {"header": "Authorization", "value": "Bearer {secret}"}}
+    broker = make_broker(routes=[route], db_url=url, start=False, crypto={"keys": [f"k1=file:{key_file}"]},
+                         env={"AFFIDAVIT_FAILPOINTS": "before_credential=pause:1.5@1"})
+    broker.config["secrets"].append({"name": "vaulted", "from": "vault:vaulted"})
+    broker.config_path.write_text(__import__("tomli_w").dumps(broker.config))
+    assert broker.command("db", "upgrade").returncode == 0
+    assert broker.command("secrets", "set", "vaulted", input=b"vaulted-secret-value").returncode == 0
+    broker.start()
+    key = f"vault-{time.monotonic_ns()}"
+    result: dict[str, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: result.setdefault("r", post(broker, SAFE + "/h/ok", key)))
+    thread.start()
+    time.sleep(0.7)  # PREFLIGHT_VALIDATED is durable (keyed); the broker pauses before reading the vault
+    relay.cut()
+    thread.join(20)
+    response = result["r"]
+    body = check_envelope(response.content)
+    assert (response.status_code, body["error"]["code"], body["error"]["outcome"]) == (503, "JOURNAL_UNAVAILABLE", "not_attempted"), body
+    assert response.headers["affidavit-invocation-id"] == body["invocation_id"]
+    invocation_id = record_by_key_when_back(broker, relay, key)
+    assert invocation_id == body["invocation_id"]
+    record = broker.wait_for(invocation_id, lambda r: r["retry"] is not None, timeout=20)
+    assert (record["outcome"], record["code"], record["retry"]) == ("not_attempted", "JOURNAL_UNAVAILABLE", "backoff"), record
+    assert [r for r in upstream.received if r.method] == [], "nothing was sent"
+    again = post(broker, SAFE + "/h/ok", key)
+    assert again.status_code == 200, again.text
+    assert upstream.received[-1].header("Authorization") == "Bearer vaulted-secret-value"
+
+
 def test_a_read_only_database_fails_closed(make_broker, upstream, pg_admin_url):
     url, drop = fresh_database(pg_admin_url)
     try:

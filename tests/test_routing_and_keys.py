@@ -290,6 +290,24 @@ def test_a_file_secret_is_read_at_use_injected_and_never_shown(broker, upstream)
         assert value not in haystack
 
 
+def test_a_file_secret_that_is_not_text_is_refused_before_anything_is_sent(broker, upstream):
+    """A key file holding binary (a DER key where a token was meant): CREDENTIAL_MISSING naming the
+    file, not a 500 that cannot vouch for anything."""
+    path = secret_path(broker)
+    path.write_bytes(b"\x30\x82\x01\xff\xfe-not-utf-8")
+    try:
+        with broker.client() as client:
+            r = client.get("https://file.example.test/h/ok")
+    finally:
+        path.write_text("fk_restored_" + secrets.token_hex(8))
+    body = check_envelope(r.content)
+    assert (r.status_code, body["error"]["code"], body["error"]["phase"], body["error"]["outcome"]) == (
+        502, "CREDENTIAL_MISSING", "credential_injection", "not_attempted"), body
+    assert sent(upstream) == []
+    record = broker.wait_for(body["invocation_id"], lambda rec: rec["retry"] is not None)
+    assert "is not UTF-8 text" in (record["events"][-1]["data"].get("diagnostic") or ""), record["events"][-1]
+
+
 # -- 4. keys are scoped by (agent, scope, key) ----------------------------------------------------
 
 
