@@ -161,6 +161,11 @@ class UpstreamRequest:
     body: bytes
     connect_timeout: float = 10.0
     max_response_body: int = 32 * 1024 * 1024
+    #: Whose idle connections this request may take (the broker: the agent and the route). A
+    #: connection is never shared beyond it: an upstream that answered without reading a body
+    #: leaves those bytes ahead of the next request on the connection, which must then be the
+    #: same caller's, under the same credential.
+    pool: str = ""
 
     @property
     def authority(self) -> str:
@@ -640,7 +645,7 @@ class Upstream:
         self._tls = context
         self._dns_timeout = dns_timeout
         self._pins: dict[tuple[str, int], tuple[str, int]] = {}
-        self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self._idle: dict[tuple[str, str, str, int], list[_Connection]] = {}
         self._sweeper: asyncio.TimerHandle | None = None
         self._open: set[_Connection] = set()
         self.closed = False  # the broker is stopping: nothing new is sent
@@ -668,7 +673,7 @@ class Upstream:
             data = request_head(request) + request.body
         except ValueError as exc:
             raise SetupFailed("request", Code.CONNECT_FAILED, str(exc)) from None
-        key = (request.scheme, request.host.lower(), request.port)
+        key = (request.pool, request.scheme, request.host.lower(), request.port)
         conn = self._take(key)
         how = "reused"
         if conn is None:
@@ -811,7 +816,7 @@ class Upstream:
             raise socket.gaierror(socket.EAI_NONAME, f"no address for {host}")
         return infos
 
-    def _take(self, key: tuple[str, str, int]) -> _Connection | None:
+    def _take(self, key: tuple[str, str, str, int]) -> _Connection | None:
         idle = self._idle.get(key)
         now = time.monotonic()
         while idle:
@@ -821,7 +826,7 @@ class Upstream:
             self._forget(conn)
         return None
 
-    def _give_back(self, key: tuple[str, str, int], conn: _Connection) -> None:
+    def _give_back(self, key: tuple[str, str, str, int], conn: _Connection) -> None:
         if not conn.idle_and_open:
             self._forget(conn)
             return

@@ -172,6 +172,29 @@ def test_a_get_that_breaks_on_a_reused_connection_is_not_silently_resent(broker,
     assert [r.path for r in upstream.received if r.method] == ["/h/ok", "/h/close_after_effect"]
 
 
+def test_a_body_a_naive_upstream_left_unread_never_reaches_another_agents_request(make_broker, upstream):
+    """The upstream answers 200 before reading a request's body and keeps the connection, so the
+    body is read as the start of whatever is sent next on it. One agent's body (a request its
+    route forbids) must not become another agent's request, carrying that agent's credential:
+    pooled connections are never shared across agents or routes."""
+    shared = {"host": "shared.example.test", "port": 80, "scheme": "http", "connect_to": f"127.0.0.1:{upstream.http_port}"}
+    broker = make_broker(routes=[
+        {"name": "open", **shared, "methods": ["POST"], "path": "/h/early_ok", "agents": ["builder"]},
+        {"name": "admin", **shared, "methods": ["GET"], "path": "/h/ok", "agents": ["reviewer"],
+         "credential": "payments-key", "inject": {"header": "X-Api-Key", "value": "{secret}"}},
+    ])
+    smuggled = b"GET /h/ok?smuggled=1 HTTP/1.1\r\nHost: shared.example.test\r\nX-Pad: "
+    with broker.client("builder") as builder:
+        assert builder.post("http://shared.example.test/h/early_ok", content=smuggled).status_code == 200
+    with broker.client("reviewer") as reviewer:
+        answer = reviewer.get("http://shared.example.test/h/ok")
+    assert answer.status_code == 200 and "smuggled" not in answer.text, answer.text
+    assert json.loads(answer.text)["path"] == "/h/ok", "the reviewer got the answer to its own request"
+    keyed = [r for r in upstream.received if r.header("X-Api-Key")]
+    assert [(r.path, r.header("X-Api-Key")) for r in keyed] == [("/h/ok", CANARIES["PAYMENTS_KEY"])], keyed
+    assert len({r.conn_id for r in upstream.received if r.method}) == 2, "the reviewer's request went on its own connection"
+
+
 def test_a_connection_the_server_closed_while_idle_is_not_reused(broker, upstream):
     with broker.client() as client:
         assert client.get(H + "/h/idle_close?after=0.2").status_code == 200

@@ -38,7 +38,7 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: behaviours that send "100 Continue" before reading the body even without Expect.
 _ALWAYS_CONTINUE = {"continue_close", "continue_final"}
 #: Behaviours that answer after the head, before (and without) reading the body.
-_BEFORE_BODY = {"early_answer"}
+_BEFORE_BODY = {"early_answer", "early_ok"}
 
 
 def free_port() -> int:
@@ -706,6 +706,15 @@ class HostileUpstream:
         await conn.send(_response(413, _json({"error": "too large"})))
         await asyncio.sleep(float(q.get("hold", 5)))
         return False
+
+    async def _b_early_ok(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
+        """No effect; ``200`` (keep-alive) right after the head, and the body is never read: it
+        stays in the connection and is parsed as the start of the next request on it. A naive
+        server (non-conforming), the kind a pooled client must not let one caller's body reach
+        another caller's request through."""
+        entry.response_status = 200
+        await conn.send(_response(200, _json({"early": True, "conn_id": conn.id})))
+        return True
 
     async def _b_continue_close(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
         """``100 Continue`` before the body; effect after the body; close with no final response."""
