@@ -215,6 +215,11 @@ class LookupUnavailable(Exception):
     """The route declares no lookup, or the invocation lacks what its template needs."""
 
 
+#: A re-send's lease with less than this left at its dispatch write is renewed first (see
+#: :meth:`_Exchange._commit_fenced`), so the lease does not lapse between the check and the commit.
+LEASE_MARGIN = timedelta(seconds=1)
+
+
 class _Exchange:
     """One upstream exchange for one invocation: what the upstream client tells at each step."""
 
@@ -287,13 +292,15 @@ class _Exchange:
             raise DispatchRefused(Code.CALLER_CANCELLED, "the caller left before dispatch")
         if self.approval_check is not None and (why := self.approval_check()) is not None:
             raise DispatchRefused(Code.APPROVAL_STALE, why)
+        if (why := self._resend_unprotected()) is not None:
+            raise DispatchRefused(Code.RECONCILE_REQUIRED, why)
         self.connection = connection
         self.entry.append(EventKind.DISPATCH_STARTED, attempt=self.attempt, connection=connection)
         started = time.perf_counter()
         try:
             # A re-send is fenced: if its lease ran out or another broker took over, the
             # DISPATCH_STARTED write is refused and nothing is sent.
-            await self.entry.commit(fence=self.entry.fence(check_expiry=True))
+            await self._commit_fenced()
         except JournalUnavailable as exc:
             raise DispatchRefused(Code.JOURNAL_UNAVAILABLE, str(exc)) from None
         except LeaseLost:
@@ -301,6 +308,38 @@ class _Exchange:
         metrics.DISPATCH_RECORD.observe(time.perf_counter() - started)
         self.dispatched.set()
         await failpoint("after_dispatch_commit")
+
+    def _resend_unprotected(self) -> str | None:
+        """Why this re-send of an operation that may already have had its effect can no longer be
+        sent: the remote contract's retention closed since the repeat was let through (while it
+        waited for an approval, or for a connection). None when it may go."""
+        entry = self.entry
+        if entry.generation == 0 or entry.record.dispatch_count == 0 or entry.identity.idempotent:
+            return None
+        if entry.identity.retention_open(utcnow()):
+            return None
+        return ("the remote idempotency contract's retention for this key closed before the re-send could be "
+                "dispatched, so the key no longer protects it")
+
+    async def _commit_fenced(self) -> None:
+        """Commit under the re-send's fence. A lease of this broker's own that lapsed (or is about
+        to) before dispatch, say during an approval slower than ``retry_lease``, is renewed first
+        if nobody took the invocation meanwhile; one that another broker took stays lost, and the
+        fence refuses the write."""
+        entry = self.entry
+        now = utcnow()
+        if entry.generation > 0 and entry.lease_expires_at is not None and entry.lease_expires_at <= now + LEASE_MARGIN:
+            until = now + timedelta(seconds=self.broker.settings.proxy.retry_lease)
+            try:
+                renewed = await leases.renew_lease(
+                    self.broker.journal.engine, entry.invocation_id, entry.generation, entry.owner, now, until)
+            except queries.DATABASE_ERRORS:
+                renewed = False  # the commit below meets the same outage
+            if renewed:
+                entry.lease_expires_at = until
+                log.info("invocation %s: this broker's lease was running out before dispatch and nobody had "
+                         "taken it; renewed", entry.invocation_id)
+        await entry.commit(fence=entry.fence(check_expiry=True))
 
     async def request_sent(self) -> None:
         self.request_written = True

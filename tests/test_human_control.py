@@ -8,6 +8,7 @@ import re
 import secrets
 import threading
 import time
+from datetime import UTC, datetime
 from typing import Any, Iterator
 
 import httpx
@@ -416,6 +417,55 @@ def test_a_retry_after_an_unknown_outcome_asks_again_and_says_so(broker, upstrea
     cli(broker, "approvals", "approve", retry_card["invocation_id"])
     assert again.response().status_code == 201
     assert upstream.effects_by_key[key] == 1 and len(sent(upstream)) == 2
+
+
+def _uncertain_then_held_again(broker: BrokerProcess, key: str) -> tuple[Held, dict[str, Any]]:
+    """A keyed, approved request whose answer was lost (unknown), and its repeat held again for
+    approval (a re-send card): the repeat, and its card."""
+    path = "/h/idem_honour?code=201&lose=1"
+    first = Held(broker, b'{"deploy":"v47"}', key=key, path=path)
+    cli(broker, "approvals", "approve", wait_for_card(broker)["invocation_id"])
+    lost = check_envelope(first.response().content)
+    assert (lost["error"]["outcome"], lost["error"]["retry"]) == ("unknown", "same_idempotency_key"), lost
+    again = Held(broker, b'{"deploy":"v47"}', key=key, path=path)
+    return again, wait_for_card(broker, lambda c: c.get("retry_of_uncertain_action") is True)
+
+
+def test_a_resend_approved_after_its_lease_lapsed_is_sent_once_not_wedged(make_broker, upstream):
+    """The operator takes longer than [proxy] retry_lease to approve a re-send. Nobody else took
+    the invocation meanwhile, so the broker renews its own lease and sends: it does not answer
+    LEASE_LOST and leave the record 'approved' with nobody to send it."""
+    broker = make_broker("sqlite", routes=control_routes(upstream), proxy={"retry_lease": "1s"})
+    key = "deploy_" + secrets.token_hex(6)
+    again, card = _uncertain_then_held_again(broker, key)
+    time.sleep(1.5)  # the re-send's lease lapses while the card waits
+    cli(broker, "approvals", "approve", card["invocation_id"])
+    response = again.response()
+    assert response.status_code == 201, broker.logs()[-6000:]
+    assert upstream.effects_by_key[key] == 1 and len(sent(upstream)) == 2
+    record = broker.wait_for(card["invocation_id"], lambda r: r["stage"] == "delivered")
+    assert (record["outcome"], record["retry_budget"]["used"]) == ("committed", 1), record
+
+
+def test_a_resend_approved_after_the_retention_closed_is_not_sent(make_broker, upstream):
+    """The remote contract's retention window closes while a re-send waits for approval: the
+    re-send no longer has the key's protection, so it is refused at the dispatch boundary, and
+    the record says reconcile."""
+    routes = control_routes(upstream)
+    routes[1]["idempotency"] = {**routes[1]["idempotency"], "retention": "6s"}
+    broker = make_broker("sqlite", routes=routes)
+    key = "deploy_" + secrets.token_hex(6)
+    again, card = _uncertain_then_held_again(broker, key)
+    expires = datetime.fromisoformat(broker.invocation(card["invocation_id"])["idempotency"]["expires_at"])
+    time.sleep(max(0.0, (expires - datetime.now(UTC)).total_seconds()) + 0.3)
+    cli(broker, "approvals", "approve", card["invocation_id"])
+    response = again.response()
+    body = check_envelope(response.content)
+    assert (response.status_code, body["error"]["code"], body["error"]["outcome"], body["error"]["retry"]) == (
+        409, "RECONCILE_REQUIRED", "unknown", "reconcile"), body
+    assert len(sent(upstream)) == 1, "the re-send was not sent"
+    record = broker.wait_for(card["invocation_id"], lambda r: r["retry"] is not None)
+    assert (record["outcome"], record["retry"], record["next_action"]) == ("unknown", "reconcile", "reconcile"), record
 
 
 def held_then_restarted(make_broker, upstream, body: bytes, **recovery: str) -> tuple[BrokerProcess, str, dict[str, Any]]:

@@ -52,6 +52,22 @@ async def take_lease(
         return (await conn.execute(statement)).rowcount == 1
 
 
+async def renew_lease(
+    engine: AsyncEngine, invocation_id: str, generation: int, owner: str, now: datetime, until: datetime
+) -> bool:
+    """Extend ``owner``'s own lease that lapsed before it dispatched (an approval that took longer
+    than the lease, say), if nobody took the invocation since: same generation, same owner, still
+    leased. A lapsed lease another broker took has a new generation, and is not renewed."""
+    statement = (
+        update(invocations)
+        .where(and_(c.invocation_id == invocation_id, c.generation == generation, c.owner == owner,
+                    c.lease_expires_at.is_not(None)))
+        .values(lease_expires_at=until, updated_at=now)
+    )
+    async with engine.begin() as conn:
+        return (await conn.execute(statement)).rowcount == 1
+
+
 class ReplayTally:
     """``invocations.replays``, counted in memory and added in batches: one transaction per
     ``interval`` for all the replays served meanwhile, not one per replay (at one request at a
