@@ -584,7 +584,10 @@ def retry_hint(
         return None
     outcome = record.outcome
     if outcome is Outcome.NOT_ATTEMPTED:
-        if record.code in TRANSIENT_CODES:
+        # Nothing was sent. A transient cause may be waited out, but not past the retry budget:
+        # a repeat with the key would only be refused (RETRY_BUDGET_EXHAUSTED), so from then on
+        # a new attempt is a new operation, with a new key, which is someone's decision.
+        if record.code in TRANSIENT_CODES and budget_left:
             return Retry.BACKOFF
         return Retry.AFTER_CORRECTION
     if outcome is Outcome.UNKNOWN:

@@ -375,6 +375,15 @@ def test_an_unknown_end_whose_retry_budget_is_used_up_is_reconciled_whatever_the
     assert retry_hint(done, GET, budget_left=False) is Retry.NEVER, "a recorded result is the answer still"
 
 
+def test_a_not_attempted_end_whose_retry_budget_is_used_up_stops_for_correction():
+    """Nothing was sent, but a repeat with the key would only get the 429: no backoff into it."""
+    record = fold([*PREFIX, failed(Phase.CONNECTION_SETUP, Code.CONNECT_REFUSED, stage="tcp_connect")])
+    assert retry_hint(record, POST_WITH_CONTRACT) is Retry.BACKOFF
+    for operation in (GET, POST, POST_WITH_CONTRACT):
+        assert retry_hint(record, operation, budget_left=False) is Retry.AFTER_CORRECTION
+    assert decide(record, Retry.AFTER_CORRECTION, POST, "sha256:a") is NextAction.STOP_FOR_CORRECTION
+
+
 def test_a_retry_after_beyond_a_day_is_no_usable_delay():
     """Contract section 5: backoff only with a usable delay. ``Retry-After: 0`` is one (now);
     31 years is not: the refusal is the answer."""

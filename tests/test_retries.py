@@ -20,7 +20,7 @@ from tests.conftest import DIALECTS, module_broker
 from tests.support.broker import BrokerProcess
 from tests.support.certs import TestPKI
 from tests.support.envelopes import check_envelope
-from tests.support.hostile import HostileUpstream
+from tests.support.hostile import HostileUpstream, free_port
 from tests.support.journal import query
 
 PAY = "https://pay.example.test"
@@ -46,6 +46,9 @@ def retry_routes(up: HostileUpstream) -> list[dict[str, Any]]:
          "idempotency": {"header": "Idempotency-Key", "scope": "tight", "retention": "1h"}},
         {"name": "put-tight", "host": "put-tight.example.test", "methods": ["PUT"], **base, "retry_budget": 1},
         {"name": "bodiless", "host": "bodiless.example.test", "methods": ["HEAD", "DELETE"], **base},
+        {"name": "refused-tight", "host": "refused-tight.example.test", "methods": ["POST"], **base,
+         "connect_to": f"127.0.0.1:{free_port()}", "retry_budget": 1,
+         "idempotency": {"header": "Idempotency-Key", "scope": "refused", "retention": "1h"}},
     ]
 
 
@@ -264,6 +267,28 @@ def test_an_idempotent_operation_that_used_its_retry_budget_says_reconcile(broke
     free_record = broker.invocation(check_envelope(unkeyed.content)["invocation_id"])
     assert (free_record["retry"], free_record["next_action"]) == ("backoff", "retry_new_attempt")
     assert len(sent(upstream)) == 3
+
+
+def test_a_request_never_sent_that_used_its_retry_budget_stops_backing_off(broker, upstream):
+    """Nothing was ever sent (the upstream refuses connections), so waiting may cure it, but only
+    while the key has attempts left: the attempt that used the last of them says after_correction
+    (no x-should-retry), as the record does, not backoff into the 429 a further repeat gets."""
+    k = key()
+    url = "https://refused-tight.example.test/h/ok"
+    with broker.client() as client:
+        first = post(client, url, k)
+        second = post(client, url, k)  # the one re-attempt the budget allows
+        third = post(client, url, k)
+    refused = check_envelope(first.content)["error"]
+    assert (refused["code"], refused["retry"], first.headers["x-should-retry"]) == ("CONNECT_REFUSED", "backoff", "true")
+    used = check_envelope(second.content)["error"]
+    assert (used["code"], used["outcome"], used["retry"], second.headers["x-should-retry"]) == (
+        "CONNECT_REFUSED", "not_attempted", "after_correction", "false"), used
+    assert third.status_code == 429 and check_envelope(third.content)["error"]["code"] == "RETRY_BUDGET_EXHAUSTED"
+    record = broker.invocation(check_envelope(first.content)["invocation_id"])
+    assert (record["retry"], record["next_action"], record["retry_budget"]) == (
+        "after_correction", "stop_for_correction", {"budget": 1, "used": 1}), record
+    assert sent(upstream) == []
 
 
 def test_after_the_retention_window_resends_stop(broker, upstream):
