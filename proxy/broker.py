@@ -30,10 +30,11 @@ from datetime import datetime, timedelta
 from urllib.parse import quote, urlsplit
 from typing import Any, Awaitable, Callable, TypeVar
 
-from . import metrics
+from . import decisions, metrics
 from .config import Route, Settings
 from .contract import (
     CallerDisposition,
+    Certainty,
     Code,
     Event,
     EventKind,
@@ -44,6 +45,7 @@ from .contract import (
     Retry,
     Stage,
     apply,
+    classify_status,
     decide,
     is_idempotent,
     project,
@@ -1276,6 +1278,34 @@ class Broker:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    async def _reconcile_from_what_was_seen(self, entry: InvocationLog, status: int) -> None:
+        """Another broker closed this record (its owner looked dead: cut off from the database
+        longer than ``stale_after``) while this one held the upstream's complete answer. The
+        events of the exchange can no longer be written, but what this broker saw can be
+        appended as a finding: the outcome that status proves, certainty ``remote_response``.
+        Without it the record would say unknown, and invite a re-send of a completed operation."""
+        outcome = classify_status(status)
+        note = (f"the broker that sent it ({self.owner}) received the upstream's complete answer, status {status}, "
+                "after another broker had closed the record as unknown (this broker could not reach the journal "
+                "meanwhile); the answer was handed to the caller flagged RESULT_STORE_FAILED, and its body is not "
+                "stored")
+        try:
+            row = await queries.invocation(self.journal.engine, entry.invocation_id)
+            if row is None:
+                raise decisions.DecisionRefused(404, "the record is gone")
+            await decisions.reconcile(self.journal, row, outcome, Certainty.REMOTE_RESPONSE.value, None, note,
+                                      f"broker {self.owner}")
+        except Exception as exc:  # refused (an operator decided first), or the journal is away again
+            log.error("operator attention: invocation %s: while its result waited to be recorded, another broker "
+                      "closed its record (its owner looked dead), and this broker could not append what it saw (%s). "
+                      "The upstream answered %s: reconcile it as %s; nothing was re-sent.",
+                      entry.invocation_id, getattr(exc, "message", None) or brief(exc), status, outcome.value)
+            return
+        log.error("operator attention: invocation %s: while its result waited to be recorded, another broker closed "
+                  "its record as unknown (its owner looked dead); this broker appended what it saw instead: "
+                  "reconciled as %s (the upstream answered %s, certainty remote_response). Nothing was re-sent; "
+                  "the response body is not stored.", entry.invocation_id, outcome.value, status)
+
     async def _repair(self, entry: InvocationLog, status: int, handed: asyncio.Future[CallerDisposition | None] | None) -> None:
         """Record a complete result the journal refused, once the journal takes writes again.
 
@@ -1297,10 +1327,7 @@ class Broker:
                 await entry.resubmit()  # every failed write, in order (one that had landed counts as done)
                 break
             except LeaseLost:
-                log.error("operator attention: invocation %s: while its result waited to be recorded, another broker "
-                          "closed its record (its owner looked dead); the upstream's answer (status %s) is not on the "
-                          "record and never will be from here. Reconcile it with that status; nothing was re-sent.",
-                          entry.invocation_id, status)
+                await self._reconcile_from_what_was_seen(entry, status)
                 return
             except JournalUnavailable:
                 if patience is not None and time.monotonic() > patience:

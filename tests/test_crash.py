@@ -769,6 +769,48 @@ def test_a_live_brokers_in_flight_work_is_left_alone_and_a_dead_ones_is_closed(m
     assert last_writer[0][0].startswith("broker-b/"), last_writer
 
 
+def test_a_broker_cut_off_while_another_closes_its_record_appends_the_answer_it_saw(make_broker, upstream, pg_admin_url):
+    """Broker b is cut off from the database mid-exchange for longer than stale_after, so broker
+    a closes b's record as unknown; then the upstream answers b. b cannot write the exchange any
+    more, but it appends what it saw (a finding from the remote's response), so the record does
+    not invite a re-send of an operation that completed."""
+    from tests.support.pg import fresh_database
+
+    url, drop = fresh_database(pg_admin_url)
+    server = make_url(url)
+    try:
+        with TcpRelay(server.host or "127.0.0.1", server.port or 5432) as relay:
+            relayed = server.set(host="127.0.0.1", port=relay.listen_port).render_as_string(hide_password=False)
+            a = make_broker(routes=crash_routes(upstream), db_url=url, recovery={**FAST_RECOVERY, "instance": "broker-a"})
+            b = make_broker(routes=crash_routes(upstream), like=a, db_url=relayed,
+                            recovery={**FAST_RECOVERY, "instance": "broker-b"})
+            time.sleep(2.0)  # a has been healthy for longer than stale_after: it judges other brokers
+            key = f"cut-{time.monotonic_ns()}"
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(post, b, SAFE + "/h/slow?delay=4&n=cut", key)
+                invocation_id = _record_for(a, "cut")
+                a.wait_for(invocation_id, lambda r: r["stage"] in ("dispatched", "sent"), timeout=5)
+                relay.cut()
+                closed = a.wait_for(invocation_id, lambda r: r["stage"] == "ended_unknown", timeout=10)
+                assert closed["retry"] == "same_idempotency_key", closed  # what the record said before b's finding
+                answer = pending.result(timeout=20)
+            assert answer.status_code == 200 and answer.headers["affidavit-code"] == "RESULT_STORE_FAILED", answer.text
+            relay.restore()
+            record = a.wait_for(invocation_id, lambda r: r.get("retry") == "never", timeout=20)
+            assert record["outcome"] == "committed", record
+            finding = record["events"][-1]
+            assert finding["kind"] == "RECONCILED" and finding["data"]["certainty"] == "remote_response", finding
+            assert finding["data"]["by"].startswith("broker broker-b/") and "status 200" in finding["data"]["note"], finding
+            again = post(a, SAFE + "/h/slow?delay=4&n=cut", key)
+            assert (again.status_code, check_envelope(again.content)["error"]["code"]) == (409, "RESULT_UNAVAILABLE"), again.text
+            assert len([r for r in upstream.received if r.method]) == 1, "the completed operation was not re-sent"
+            assert "this broker appended what it saw instead: reconciled as committed" in b.logs()
+            a.stop()
+            b.stop()
+    finally:
+        drop()
+
+
 def test_a_broker_with_no_heartbeat_yet_keeps_its_fresh_records(make_broker, upstream):
     """A broker that has not written a heartbeat (its first one failed, or it is starting) is not
     taken for dead while its records are fresh: a sibling closed them at once, and the caller of
