@@ -132,11 +132,15 @@ class Flag:
         if self._set:
             return True
         future = asyncio.get_running_loop().create_future()
-        self.add_callback(lambda: future.done() or future.set_result(None))
+        wake = lambda: future.done() or future.set_result(None)  # noqa: E731
+        self._callbacks.append(wake)
         try:
             await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
             return False
+        finally:
+            if not self._set:  # a wait that ended otherwise leaves nothing behind (a hold polls every 0.25 s)
+                self._callbacks.remove(wake)
         return True
 
 
@@ -1129,7 +1133,7 @@ class Broker:
             return Reply(499, [], b"", entry.invocation_id)
         try:
             await entry.commit()
-        except JournalUnavailable:
+        except (JournalUnavailable, LeaseLost):  # another broker closed the record: the answer is still this one
             pass
         provisional = _provisional_end(entry)
         if entry.record.stage in _RECORDING:
@@ -1236,6 +1240,11 @@ class Broker:
         except JournalUnavailable:
             if not entry.record.dispatch_started:
                 return self._journal_unavailable(entry)
+        except LeaseLost:
+            if not entry.record.dispatch_started:
+                return self._lease_lost(entry)
+            # After dispatch: another broker closed the record meanwhile; what this broker saw is
+            # still the truth of this attempt, and the caller gets it.
         record = entry.record
         code = record.code or Code.REMOTE_OUTCOME_UNKNOWN
         retry = entry.retry_for(record) or Retry.BACKOFF
@@ -1397,6 +1406,8 @@ class Broker:
             await entry.commit()
         except JournalUnavailable:
             return self._journal_unavailable(entry)
+        except LeaseLost:
+            return self._lease_lost(entry)
         retry = entry.retry_for(entry.record) or Retry.AFTER_CORRECTION  # a re-attempt's: its retention and budget count
         return self._envelope_reply(entry, code, phase, Outcome.NOT_ATTEMPTED, retry, message)
 

@@ -4,12 +4,13 @@ it loses nothing and claims nothing false. Real broker processes, ``kill -9``, r
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import secrets
 import sqlite3
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import pytest
@@ -769,11 +770,10 @@ def test_a_live_brokers_in_flight_work_is_left_alone_and_a_dead_ones_is_closed(m
     assert last_writer[0][0].startswith("broker-b/"), last_writer
 
 
-def test_a_broker_cut_off_while_another_closes_its_record_appends_the_answer_it_saw(make_broker, upstream, pg_admin_url):
-    """Broker b is cut off from the database mid-exchange for longer than stale_after, so broker
-    a closes b's record as unknown; then the upstream answers b. b cannot write the exchange any
-    more, but it appends what it saw (a finding from the remote's response), so the record does
-    not invite a re-send of an operation that completed."""
+@contextlib.contextmanager
+def _b_behind_a_relay(make_broker, upstream, pg_admin_url) -> Iterator[tuple[BrokerProcess, BrokerProcess, TcpRelay]]:
+    """Brokers a (straight to a fresh PostgreSQL database) and b (through a relay the test cuts),
+    with fast recovery; a has been healthy long enough to judge b once b goes silent."""
     from tests.support.pg import fresh_database
 
     url, drop = fresh_database(pg_admin_url)
@@ -781,34 +781,74 @@ def test_a_broker_cut_off_while_another_closes_its_record_appends_the_answer_it_
     try:
         with TcpRelay(server.host or "127.0.0.1", server.port or 5432) as relay:
             relayed = server.set(host="127.0.0.1", port=relay.listen_port).render_as_string(hide_password=False)
-            a = make_broker(routes=crash_routes(upstream), db_url=url, recovery={**FAST_RECOVERY, "instance": "broker-a"})
-            b = make_broker(routes=crash_routes(upstream), like=a, db_url=relayed,
-                            recovery={**FAST_RECOVERY, "instance": "broker-b"})
-            time.sleep(2.0)  # a has been healthy for longer than stale_after: it judges other brokers
-            key = f"cut-{time.monotonic_ns()}"
-            with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                pending = pool.submit(post, b, SAFE + "/h/slow?delay=4&n=cut", key)
-                invocation_id = _record_for(a, "cut")
-                a.wait_for(invocation_id, lambda r: r["stage"] in ("dispatched", "sent"), timeout=5)
-                relay.cut()
-                closed = a.wait_for(invocation_id, lambda r: r["stage"] == "ended_unknown", timeout=10)
-                assert closed["retry"] == "same_idempotency_key", closed  # what the record said before b's finding
-                answer = pending.result(timeout=20)
-            assert answer.status_code == 200 and answer.headers["affidavit-code"] == "RESULT_STORE_FAILED", answer.text
-            relay.restore()
-            record = a.wait_for(invocation_id, lambda r: r.get("retry") == "never", timeout=20)
-            assert record["outcome"] == "committed", record
-            finding = record["events"][-1]
-            assert finding["kind"] == "RECONCILED" and finding["data"]["certainty"] == "remote_response", finding
-            assert finding["data"]["by"].startswith("broker broker-b/") and "status 200" in finding["data"]["note"], finding
-            again = post(a, SAFE + "/h/slow?delay=4&n=cut", key)
-            assert (again.status_code, check_envelope(again.content)["error"]["code"]) == (409, "RESULT_UNAVAILABLE"), again.text
-            assert len([r for r in upstream.received if r.method]) == 1, "the completed operation was not re-sent"
-            assert "this broker appended what it saw instead: reconciled as committed" in b.logs()
-            a.stop()
-            b.stop()
+            routes = [{**route, "result_horizon": "30s"} for route in crash_routes(upstream)]  # b waits for its answer
+            a = make_broker(routes=routes, db_url=url, recovery={**FAST_RECOVERY, "instance": "broker-a"})
+            b = make_broker(routes=routes, like=a, db_url=relayed, recovery={**FAST_RECOVERY, "instance": "broker-b"})
+            time.sleep(2.0)
+            try:
+                yield a, b, relay
+            finally:
+                a.stop()
+                b.stop()
     finally:
         drop()
+
+
+def _closed_by_a_while_b_is_cut_off(a: BrokerProcess, relay: TcpRelay, marker: str) -> str:
+    """Cut b off once its slow exchange's progress (REQUEST_SENT, 0.25 s on) is durable, so that
+    no write of it fails in the cut; then wait for a to close the record."""
+    invocation_id = _record_for(a, marker)
+    a.wait_for(invocation_id, lambda r: r["stage"] == "sent", timeout=5)
+    relay.cut()
+    closed = a.wait_for(invocation_id, lambda r: r["stage"] == "ended_unknown", timeout=10)
+    assert closed["retry"] == "same_idempotency_key", closed  # what the record says before b's finding
+    return invocation_id
+
+
+def _reconciled_from_what_b_saw(a: BrokerProcess, b: BrokerProcess, invocation_id: str, upstream) -> None:
+    record = a.wait_for(invocation_id, lambda r: r.get("retry") == "never", timeout=20)
+    assert record["outcome"] == "committed", record
+    finding = record["events"][-1]
+    assert finding["kind"] == "RECONCILED" and finding["data"]["certainty"] == "remote_response", finding
+    assert finding["data"]["by"].startswith("broker broker-b/") and "status 200" in finding["data"]["note"], finding
+    assert "this broker appended what it saw instead: reconciled as committed" in b.logs()
+    assert len([r for r in upstream.received if r.method]) == 1, "the completed operation was not re-sent"
+
+
+def test_a_broker_cut_off_while_another_closes_its_record_appends_the_answer_it_saw(make_broker, upstream, pg_admin_url):
+    """Broker b is cut off from the database mid-exchange for longer than stale_after, so broker
+    a closes b's record as unknown; then the upstream answers b. b cannot write the exchange any
+    more, but it appends what it saw (a finding from the remote's response), so the record does
+    not invite a re-send of an operation that completed."""
+    with _b_behind_a_relay(make_broker, upstream, pg_admin_url) as (a, b, relay):
+        key = f"cut-{time.monotonic_ns()}"
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(post, b, SAFE + "/h/slow?delay=4&n=cut", key)
+            invocation_id = _closed_by_a_while_b_is_cut_off(a, relay, "cut")
+            answer = pending.result(timeout=20)
+        assert answer.status_code == 200 and answer.headers["affidavit-code"] == "RESULT_STORE_FAILED", answer.text
+        relay.restore()
+        _reconciled_from_what_b_saw(a, b, invocation_id, upstream)
+        again = post(a, SAFE + "/h/slow?delay=4&n=cut", key)
+        assert (again.status_code, check_envelope(again.content)["error"]["code"]) == (409, "RESULT_UNAVAILABLE"), again.text
+
+
+def test_a_caller_timed_out_after_another_broker_closed_the_record_gets_the_504_that_names_it(make_broker, upstream, pg_admin_url):
+    """The same takeover, but b's caller reaches the response timeout (5 s) after the database is
+    back: its CALLER_CANCELLED can no longer be written (a's events hold those numbers). The caller
+    still gets the 504 naming its invocation, not a 500 that names nothing."""
+    with _b_behind_a_relay(make_broker, upstream, pg_admin_url) as (a, b, relay):
+        key = f"late-{time.monotonic_ns()}"
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(post, b, SAFE + "/h/slow?delay=7&n=late", key)
+            invocation_id = _closed_by_a_while_b_is_cut_off(a, relay, "late")
+            relay.restore()
+            answer = pending.result(timeout=20)
+        body = check_envelope(answer.content)
+        assert (answer.status_code, body["invocation_id"], body["error"]["code"], body["error"]["outcome"]) == (
+            504, invocation_id, "REMOTE_OUTCOME_UNKNOWN", "unknown"), body
+        assert "Traceback" not in b.logs(), b.logs()[-3000:]
+        _reconciled_from_what_b_saw(a, b, invocation_id, upstream)
 
 
 def test_a_broker_with_no_heartbeat_yet_keeps_its_fresh_records(make_broker, upstream):

@@ -63,3 +63,25 @@ def test_a_check_that_fails_records_the_delivery_as_written(monkeypatch):
 def test_a_failed_handover_says_how_the_agent_left(monkeypatch, left, how):
     flow = SimpleNamespace(live=False, metadata={addon._LEFT: True} if left else {})
     assert _watch(lambda: False, flow, monkeypatch) == [("undelivered", how)]
+
+
+def test_a_flag_polled_with_a_timeout_keeps_no_callback_per_poll():
+    """A request held for approval polls its caller's flag every 0.25 s for up to the approval
+    timeout: each poll that times out leaves nothing behind, and setting the flag still wakes a
+    waiter and runs the callbacks registered for good."""
+    from proxy.broker import Flag
+
+    async def main() -> list[str]:
+        flag, seen = Flag(), []
+        flag.add_callback(lambda: seen.append("kept"))
+        for _ in range(50):
+            assert await flag.wait(0.001) is False
+        assert len(flag._callbacks) == 1, "only the callback registered for good"
+        waiter = asyncio.ensure_future(flag.wait(5))
+        await asyncio.sleep(0)
+        flag.set()
+        assert await waiter is True and flag._callbacks == []
+        assert await flag.wait(0) is True
+        return seen
+
+    assert asyncio.run(main()) == ["kept"]
