@@ -634,7 +634,7 @@ class Broker:
         """(key, generated). A route with a declared remote contract always gets a key."""
         key = req.header(self.settings.proxy.idempotency_header)
         if key:
-            return key.strip()[:255], False
+            return key.strip(), False  # at most MAX_KEY_LENGTH: longer ones are refused (malformed_request)
         if route.idempotency is not None:
             return f"afk_{ULID()}", True
         return None, False
@@ -1554,6 +1554,10 @@ _SPLITTER = re.compile("[\0-\x08\n-\x1f\x7f]")
 #: ``"``, ...) are let through: common clients send them as they are and servers accept them.
 _NOT_IN_A_TARGET = re.compile("[^!-~]|#")
 
+#: The longest idempotency key stored (the column's width); a longer one is refused, never cut.
+MAX_KEY_LENGTH = 255
+
+
 def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
     """Why the request cannot be checked against the routes or sent as it is, or None.
 
@@ -1606,6 +1610,14 @@ def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
     if keys and not all(" " <= c <= "~" for c in keys[0].strip()):
         return (f"The {idempotency_header} header holds characters other than visible ASCII (or bytes that are not "
                 "text). Nothing was sent. Use a key of letters, digits and punctuation, such as a UUID.")
+    if keys and not keys[0].strip():
+        return (f"The {idempotency_header} header is empty. Nothing was sent. Send a key that names the operation "
+                "(a UUID, say), or no header at all.")
+    if keys and len(keys[0].strip()) > MAX_KEY_LENGTH:
+        # Cut to the length stored, two different keys would name one operation: the second would
+        # be answered with the first one's result as if it were its own.
+        return (f"The {idempotency_header} header is {len(keys[0].strip())} characters long; the broker keeps keys "
+                f"of at most {MAX_KEY_LENGTH}. Nothing was sent. Use a shorter key (a UUID is 36).")
     return None
 
 

@@ -311,6 +311,24 @@ def test_a_file_secret_that_is_not_text_is_refused_before_anything_is_sent(broke
 # -- 4. keys are scoped by (agent, scope, key) ----------------------------------------------------
 
 
+def test_a_key_too_long_to_keep_or_empty_is_refused_never_cut(broker, upstream):
+    """Cut to the 255 characters kept, two different keys would name one operation: the second
+    payment would be answered with the first one's result as if it were its own."""
+    url = "https://keys-a.example.test/h/idem_ignore?code=201"
+    with broker.client() as client:
+        kept = post(client, url, {"Idempotency-Key": "k" * 255})
+        refused = [post(client, url, {"Idempotency-Key": "k" * 255 + tail}) for tail in ("1", "2")]
+        empty = post(client, url, {"Idempotency-Key": ""})  # a template whose key came out empty
+    assert kept.status_code == 201 and "affidavit-replayed" not in kept.headers
+    for answer, said in [*((r, "256 characters long") for r in refused), (empty, "header is empty")]:
+        body = check_envelope(answer.content)
+        assert (answer.status_code, body["error"]["code"], body["error"]["outcome"]) == (
+            400, "MALFORMED_REQUEST", "not_attempted"), body
+        assert said in body["error"]["message"], body["error"]["message"]
+        assert "affidavit-replayed" not in answer.headers
+    assert len(sent(upstream)) == 1, "only the key that fits was sent"
+
+
 def test_two_agents_with_one_key_on_one_route_get_two_invocations(broker, upstream):
     """Two invocations for the broker; upstream, the key goes as sent by each (docs/retries.md: at
     the upstream, agents that share a credential share its keys)."""
