@@ -29,7 +29,7 @@ import logging
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import and_, func, or_, select, true
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -90,6 +90,11 @@ def closing_events(
     return events
 
 
+def _like_escaped(text: str) -> str:
+    """``text`` matched literally by LIKE (``_`` and ``%`` are wildcards there)."""
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
 class Recovery:
     """Heartbeat of this broker, and the sweep that closes abandoned records."""
 
@@ -116,6 +121,12 @@ class Recovery:
         self._sweeping = False
         self._task: asyncio.Task[None] | None = None
         self.recovered = 0
+        #: This instance's other owners' heartbeats at the previous sweep, and the loop time of the
+        #: first look: an "earlier incarnation" whose heartbeat moves is a live twin (another
+        #: broker configured with the same recovery.instance), and its records are not taken.
+        self._beats: dict[str, Any] | None = None
+        self._first_look: float | None = None
+        self.twins: set[str] = set()
 
     async def start_beating(self) -> None:
         """Write the first heartbeat now (before the broker listens: a sibling then knows it is
@@ -147,7 +158,7 @@ class Recovery:
                     await self.sweep()
                 except Exception as exc:  # the next round tries again
                     log.warning("recovery sweep failed: %s", exc)
-                next_sweep = loop.time() + self.sweep_every
+                next_sweep = loop.time() + (self.sweep_every if self._twins_judged() else self._twin_wait)
             await asyncio.sleep(self.heartbeat)
 
     async def beat(self) -> None:
@@ -180,12 +191,44 @@ class Recovery:
                             "records again after recovery.stale_after (%.0f s) of healthy heartbeats", self.stale_after)
                 self._silent = False
 
+    @property
+    def _twin_wait(self) -> float:
+        """Long enough for any live broker to have beaten at least once."""
+        return 1.5 * self.heartbeat
+
+    def _twins_judged(self) -> bool:
+        loop = asyncio.get_running_loop()
+        return self._first_look is not None and loop.time() - self._first_look >= self._twin_wait
+
+    async def _look_for_twins(self) -> None:
+        """Note this instance's other owners whose heartbeat moved since the last look: they are
+        alive, however their name says they are an earlier incarnation of this broker."""
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(select(brokers.c.owner, brokers.c.heartbeat_at).where(
+                brokers.c.instance == self.instance, brokers.c.owner != self.owner))).all()
+        beats = {owner: at for owner, at in rows}
+        if self._beats is None:
+            self._first_look = asyncio.get_running_loop().time()
+        else:
+            for owner in sorted(o for o, at in beats.items() if self._beats.get(o) != at and o not in self.twins):
+                self.twins.add(owner)
+                log.error("another running broker uses recovery.instance %r (owner %s is heartbeating), so it is "
+                          "not an earlier incarnation of this one and its in-flight records are left to it. Give "
+                          "every broker its own recovery.instance (the default, host:port, is unique per listening "
+                          "port): two brokers under one name would close each other's live records.",
+                          self.instance, owner)
+        self._beats = beats
+
     async def sweep(self) -> int:
         """Close every record abandoned by a dead owner; returns how many were closed."""
         now = utcnow()
         c = invocations.c
-        own_earlier = and_(c.owner.like(f"{self.instance}/%"), c.owner != self.owner)
-        conditions = [own_earlier]
+        await self._look_for_twins()
+        # This instance's earlier incarnations are dead (this broker holds their port), unless
+        # their heartbeat moves: judged once a heartbeat interval has passed since the first look.
+        own_earlier = and_(c.owner.like(f"{_like_escaped(self.instance)}/%", escape="\\"), c.owner != self.owner,
+                           c.owner.not_in(self.twins) if self.twins else true())
+        conditions = [own_earlier] if self._twins_judged() else []
         if self._healthy_since is not None and now - self._healthy_since >= timedelta(seconds=self.stale_after):
             horizon = timedelta(seconds=self.stale_after)
             cutoff = func.now() - horizon if self.engine.dialect.name == "postgresql" else now - horizon
@@ -197,6 +240,8 @@ class Recovery:
             beaten = select(brokers.c.owner)
             conditions.append(and_(c.owner != self.owner, c.owner.not_in(alive),
                                    or_(c.owner.in_(beaten), c.updated_at < cutoff)))
+        if not conditions:
+            return 0
         query = (
             select(invocations)
             .where(and_(c.stage.in_([s.value for s in IN_FLIGHT]), or_(*conditions)))

@@ -851,6 +851,34 @@ def test_a_caller_timed_out_after_another_broker_closed_the_record_gets_the_504_
         _reconciled_from_what_b_saw(a, b, invocation_id, upstream)
 
 
+def test_a_second_live_broker_under_the_same_instance_name_does_not_take_the_first_ones_work(make_broker, upstream):
+    """recovery.instance set to the same name on two running brokers (a copied configuration): the
+    second would take the first for an earlier incarnation of itself, dead since it holds the
+    port, and close its live records at once. The moving heartbeat shows it is alive: its work is
+    left alone, and the second broker says what is wrong."""
+    a = make_broker("postgresql", routes=crash_routes(upstream), recovery={**FAST_RECOVERY, "instance": "copied-name"})
+    live = _post_in_background(a, CRASH + "/h/slow?delay=3&n=twin")
+    live_id = _record_for(a, "twin")
+    a.wait_for(live_id, lambda r: r["stage"] == "sent", timeout=5)
+    b = make_broker(routes=crash_routes(upstream), like=a, recovery={**FAST_RECOVERY, "instance": "copied-name"})
+    assert live.result(timeout=15).status_code == 200
+    record = a.wait_for(live_id, lambda r: r["stage"] == "delivered")
+    assert record["outcome"] == "committed"
+    assert [e for e in record["events"] if e["kind"] == "FAILED"] == [], "the live broker's work was taken over"
+    assert "another running broker uses recovery.instance 'copied-name'" in b.logs()
+    assert "left in flight" not in b.logs()
+    # And an earlier incarnation that did stop is still recovered at once (no stale_after wait).
+    dead = _post_in_background(b, CRASH + "/h/slow?delay=3&n=gone")
+    dead_id = _record_for(b, "gone")
+    b.wait_for(dead_id, lambda r: r["stage"] == "sent", timeout=5)
+    b.kill()
+    with pytest.raises(httpx.HTTPError):
+        dead.result(timeout=15)
+    b.start()
+    closed = b.wait_for(dead_id, lambda r: r["stage"] == "ended_unknown", timeout=5)
+    assert closed["code"] == "REMOTE_OUTCOME_UNKNOWN"
+
+
 def test_a_broker_with_no_heartbeat_yet_keeps_its_fresh_records(make_broker, upstream):
     """A broker that has not written a heartbeat (its first one failed, or it is starting) is not
     taken for dead while its records are fresh: a sibling closed them at once, and the caller of
