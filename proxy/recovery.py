@@ -270,7 +270,12 @@ class Recovery:
             taken_from=row["owner"],
         )
         entry.credential = (row["credential_id"], row["credential_version"], row["injection"])
-        for kind, data in closing_events(record):
+        # Its own earlier incarnation restarted; another broker's only fell silent (stopped, or
+        # cut off from the database for longer than stale_after: it may still be running).
+        own = row["owner"].startswith(f"{self.instance}/")
+        cause = "broker restart" if own else (f"broker {row['owner']} silent for recovery.stale_after "
+                                              f"({self.stale_after:g} s; stopped, or cut off from the journal)")
+        for kind, data in closing_events(record, cause=cause):
             entry.append(kind, **data)
         try:
             await entry.commit()

@@ -758,6 +758,8 @@ def test_a_live_brokers_in_flight_work_is_left_alone_and_a_dead_ones_is_closed(m
         dead.result(timeout=15)
     closed = b.wait_for(dead_id, lambda r: r["stage"] == "ended_unknown", timeout=10)
     assert closed["outcome"] == "unknown" and closed["code"] == "REMOTE_OUTCOME_UNKNOWN"
+    basis = closed["events"][-1]["data"]["basis"]
+    assert basis.startswith("broker broker-a/") and "silent for recovery.stale_after" in basis, basis  # not "restart"
     assert f"invocation {dead_id} was left in flight" in b.logs()
     [ended] = [line for line in b.log_entries()
                if line.get("msg") == "invocation ended" and line.get("invocation_id") == dead_id]
