@@ -221,6 +221,10 @@ class LookupUnavailable(Exception):
     """The route declares no lookup, or the invocation lacks what its template needs."""
 
 
+#: How long the delivery repair waits for the adapter to confirm a RESULT_STORE_FAILED answer was
+#: handed over (mitmproxy itself drops a connection idle for 600 s) before recording it undelivered.
+DELIVERY_CONFIRM_WAIT = 600.0
+
 #: A re-send's lease with less than this left at its dispatch write is renewed first (see
 #: :meth:`_Exchange._commit_fenced`), so the lease does not lapse between the check and the commit.
 LEASE_MARGIN = timedelta(seconds=1)
@@ -1351,7 +1355,13 @@ class Broker:
             if left is CallerDisposition.WAITING:
                 left = CallerDisposition.DISCONNECTED
         else:
-            left = await asyncio.wait_for(handed, 60)
+            try:  # the adapter settles it once the answer's last byte has left, or the caller is gone
+                left = await asyncio.wait_for(asyncio.shield(handed), DELIVERY_CONFIRM_WAIT)
+            except TimeoutError:  # a reader slower than that: unconfirmed, so the record says fetch it
+                log.warning("invocation %s: the hand-over of its answer was not confirmed within %.0f s; recorded as "
+                            "not delivered (the result is stored: the caller can fetch it)",
+                            entry.invocation_id, DELIVERY_CONFIRM_WAIT)
+                left = CallerDisposition.DISCONNECTED
         if left is None:
             entry.append(EventKind.RESULT_DELIVERED, channel="proxy", recorded_after_delivery=True)
         else:

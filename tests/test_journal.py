@@ -559,3 +559,37 @@ def test_a_write_sent_alone_is_a_batch_of_its_own(db):
         await journal.engine.dispose()
 
     asyncio.run(scenario())
+
+
+def test_a_repaired_result_whose_hand_over_is_never_confirmed_ends_as_not_delivered(db, monkeypatch):
+    """A complete answer the journal refused was handed to the caller flagged RESULT_STORE_FAILED
+    and recorded once the journal took writes again; if the hand-over is never confirmed (a
+    reader slower than the wait), the record still ends, as not delivered (fetch the result),
+    instead of the repair dying on its timeout and the record staying 'committed' for good."""
+    from proxy import broker as broker_module
+    from proxy.broker import Broker
+    from proxy.config import Settings
+    from proxy.credentials import Credentials
+    from proxy.upstream import Upstream
+
+    monkeypatch.setattr(broker_module, "DELIVERY_CONFIRM_WAIT", 0.2, raising=False)
+    monkeypatch.setenv("AFFIDAVIT_TEST_BUILDER", "tok-" + "0" * 16)
+    settings = Settings(agents=[{"name": "builder", "token": "env:AFFIDAVIT_TEST_BUILDER"}], database={"url": db},
+                        routes=[{"name": "r", "host": "r.example.test", "methods": ["POST"], "agents": ["builder"]}])
+
+    async def scenario() -> str:
+        journal = Journal(make_engine(db), writer="w1")
+        await journal.start()
+        try:
+            broker = Broker(settings, journal, Upstream(), Credentials(settings), "test")
+            entry = await _dispatched_then_refused(journal, land=False)
+            entry.append(EventKind.RESULT_COMMITTED)
+            never: asyncio.Future = asyncio.get_running_loop().create_future()
+            await asyncio.wait_for(broker._repair(entry, 201, never), 10)
+            _, stored = await queries.events_of(journal.engine, entry.invocation_id, journal.decode_payload)
+            return project(stored).stage.value
+        finally:
+            await journal.close()
+            await journal.engine.dispose()
+
+    assert asyncio.run(scenario()) == "delivery_failed"
