@@ -328,7 +328,7 @@ class InvocationLog:
                 # one that lands is not sent twice.
                 await asyncio.wait([write.future])
                 if _durable(write):
-                    self._unconfirmed.remove(write)
+                    self._confirmed(write)
                     continue
             again = Write(
                 events=write.events,
@@ -346,6 +346,12 @@ class InvocationLog:
                 if not await self._stored(write):
                     raise
                 self._last = _done()  # it had landed: the next write goes after it, not after its refusal
+            self._confirmed(write)
+
+    def _confirmed(self, write: Write) -> None:
+        """``write`` is durable now. Its committer may have woken first and pruned it already
+        (:meth:`_next_write` drops the durable ones), so it may be gone."""
+        if write in self._unconfirmed:
             self._unconfirmed.remove(write)
 
     async def _stored(self, write: Write) -> bool:

@@ -521,6 +521,24 @@ def test_two_commits_after_a_failed_write_resend_it_once_and_both_succeed(db, la
     assert _stored_after_a_refusal(db, land, then) == [1, 2, 3, 4, 5, 6, 7], "every event, once, in order"
 
 
+@pytest.mark.parametrize("land", [True, False])
+def test_a_resend_waiting_on_another_commits_write_survives_that_commit_moving_on(db, land):
+    """One commit resends a failed write and sends its own; another commit, at once, finds that
+    write in flight and waits it out. The first commit's task wakes first and appends again
+    (which prunes the now-durable write): the waiting resend must not fail for it."""
+    async def then(entry: InvocationLog) -> None:
+        entry.append(EventKind.RESULT_COMMITTED)
+
+        async def moves_on() -> None:
+            await entry.commit()
+            entry.append(EventKind.RESULT_DELIVERED, channel="proxy")
+            entry.submit_quietly()
+
+        assert await asyncio.gather(moves_on(), entry.commit(), return_exceptions=True) == [None, None]
+
+    assert _stored_after_a_refusal(db, land, then)[:6] == [1, 2, 3, 4, 5, 6], "every event, once, in order"
+
+
 def test_resubmit_refuses_when_other_events_took_those_sequence_numbers(db):
     """Another broker closed the record meanwhile (its owner looked dead): the held writes can
     never be made, and resubmit says so rather than count them as landed."""
