@@ -1306,13 +1306,27 @@ class Broker:
             row = await queries.invocation(self.journal.engine, entry.invocation_id)
             if row is None:
                 raise decisions.DecisionRefused(404, "the record is gone")
+            _, events = await queries.events_of(self.journal.engine, entry.invocation_id, self.journal.decode_payload)
+            record = project(events)
+            # Only over the close of this very attempt: not after a later attempt (a re-send
+            # under a new generation, whose effect this answer says nothing about), and never
+            # over a finding someone has already made.
+            if row["generation"] != entry.generation:
+                raise decisions.DecisionRefused(409, f"another attempt (generation {row['generation']}) has been made "
+                                                     "since, and this answer is about an earlier one")
+            if record.reconciled_outcome is not None:
+                raise decisions.DecisionRefused(409, f"it was already reconciled as {record.reconciled_outcome.value}")
+            if record.stage is not Stage.ENDED_UNKNOWN:
+                raise decisions.DecisionRefused(409, f"it ended otherwise (stage {record.stage.value})")
             await decisions.reconcile(self.journal, row, outcome, Certainty.REMOTE_RESPONSE.value, None, note,
                                       f"broker {self.owner}")
-        except Exception as exc:  # refused (an operator decided first), or the journal is away again
+        except Exception as exc:  # refused (decided, or re-sent, since), or the journal is away again
             log.error("operator attention: invocation %s: while its result waited to be recorded, another broker "
-                      "closed its record (its owner looked dead), and this broker could not append what it saw (%s). "
-                      "The upstream answered %s: reconcile it as %s; nothing was re-sent.",
-                      entry.invocation_id, getattr(exc, "message", None) or brief(exc), status, outcome.value)
+                      "closed its record (its owner looked dead), and this broker did not append what it saw (%s). "
+                      "Its attempt %d was answered %s (%s, as far as that attempt goes); this broker re-sent nothing. "
+                      "Check the record (GET /v1/invocations/{id}) before reconciling.",
+                      entry.invocation_id, getattr(exc, "message", None) or brief(exc), entry.generation + 1, status,
+                      outcome.value)
             return
         log.error("operator attention: invocation %s: while its result waited to be recorded, another broker closed "
                   "its record as unknown (its owner looked dead); this broker appended what it saw instead: "

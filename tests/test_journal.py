@@ -585,21 +585,14 @@ def test_a_repaired_result_whose_hand_over_is_never_confirmed_ends_as_not_delive
     reader slower than the wait), the record still ends, as not delivered (fetch the result),
     instead of the repair dying on its timeout and the record staying 'committed' for good."""
     from proxy import broker as broker_module
-    from proxy.broker import Broker
-    from proxy.config import Settings
-    from proxy.credentials import Credentials
-    from proxy.upstream import Upstream
 
     monkeypatch.setattr(broker_module, "DELIVERY_CONFIRM_WAIT", 0.2, raising=False)
-    monkeypatch.setenv("AFFIDAVIT_TEST_BUILDER", "tok-" + "0" * 16)
-    settings = Settings(agents=[{"name": "builder", "token": "env:AFFIDAVIT_TEST_BUILDER"}], database={"url": db},
-                        routes=[{"name": "r", "host": "r.example.test", "methods": ["POST"], "agents": ["builder"]}])
 
     async def scenario() -> str:
         journal = Journal(make_engine(db), writer="w1")
         await journal.start()
         try:
-            broker = Broker(settings, journal, Upstream(), Credentials(settings), "test")
+            broker = _in_process_broker(db, monkeypatch, journal)
             entry = await _dispatched_then_refused(journal, land=False)
             entry.append(EventKind.RESULT_COMMITTED)
             never: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -611,3 +604,62 @@ def test_a_repaired_result_whose_hand_over_is_never_confirmed_ends_as_not_delive
             await journal.engine.dispose()
 
     assert asyncio.run(scenario()) == "delivery_failed"
+
+
+def _in_process_broker(db: str, monkeypatch, journal: Journal):
+    from proxy.broker import Broker
+    from proxy.config import Settings
+    from proxy.credentials import Credentials
+    from proxy.upstream import Upstream
+
+    monkeypatch.setenv("AFFIDAVIT_TEST_BUILDER", "tok-" + "0" * 16)
+    settings = Settings(agents=[{"name": "builder", "token": "env:AFFIDAVIT_TEST_BUILDER"}], database={"url": db},
+                        routes=[{"name": "r", "host": "r.example.test", "methods": ["POST"], "agents": ["builder"]}])
+    return Broker(settings, journal, Upstream(), Credentials(settings), "test")
+
+
+@pytest.mark.parametrize("since", ["an operator's finding", "a re-send"])
+def test_the_answer_a_cut_off_broker_saw_is_never_appended_over_what_came_after(db, monkeypatch, caplog, since):
+    """Another broker closed the record as unknown while this one was cut off; since then an
+    operator reconciled it, or a re-send took it (a new generation). The answer this broker holds
+    is about its own, earlier attempt: appending it as a finding would overturn the operator's,
+    or speak for an attempt it never saw."""
+    from proxy import decisions
+    from proxy.contract import Outcome
+    from proxy.recovery import closing_events
+
+    async def scenario() -> tuple[object, int]:
+        journal = Journal(make_engine(db), writer="w1")
+        await journal.start()
+        try:
+            broker = _in_process_broker(db, monkeypatch, journal)
+            entry = _accepted(journal)
+            entry.append(EventKind.PREFLIGHT_VALIDATED, route="payments.create")
+            entry.append(EventKind.CREDENTIAL_AUTHORIZED, credential_id=None, injection="none")
+            entry.append(EventKind.DISPATCH_STARTED, attempt=1, connection="new")
+            await entry.commit()
+            closer = InvocationLog(journal, entry.identity, "broker-a/1", record=entry.record, persisted=True)
+            for kind, data in closing_events(closer.record, cause="silent"):
+                closer.append(kind, **data)
+            await closer.commit()
+            row = await queries.invocation(journal.engine, entry.invocation_id)
+            if since == "a re-send":  # what take_lease does for the repeat a re-send serves
+                async with journal.engine.begin() as conn:
+                    await conn.execute(invocations.update().where(invocations.c.invocation_id == entry.invocation_id)
+                                       .values(generation=row["generation"] + 1, owner="broker-a/1"))
+            else:
+                await decisions.reconcile(journal, row, Outcome.REJECTED, "remote_query", "ref-1", "no charge", "op")
+            await broker._reconcile_from_what_was_seen(entry, 500)  # 500 would say committed
+            _, stored = await queries.events_of(journal.engine, entry.invocation_id, journal.decode_payload)
+            return project(stored), sum(e.kind is EventKind.RECONCILED for e in stored)
+        finally:
+            await journal.close()
+            await journal.engine.dispose()
+
+    caplog.set_level("ERROR", logger="affidavit.broker")
+    record, findings = asyncio.run(scenario())
+    if since == "a re-send":
+        assert findings == 0 and record.reconciled_outcome is None
+    else:
+        assert findings == 1 and record.reconciled_outcome is Outcome.REJECTED, "the operator's finding stands"
+    assert "did not append what it saw" in caplog.text and "this broker re-sent nothing" in caplog.text
