@@ -683,10 +683,11 @@ class Broker:
     async def _attempt(self, entry: InvocationLog, req: AgentRequest, route: Route, key: str | None, generated: bool) -> Reply:
         """One attempt (:meth:`_one_attempt`); its key is bound by now, so every answer names it
         (a denial, an approval's timeout and a credential refusal included)."""
+        dispatched_before = entry.record.dispatch_count  # a re-send's earlier attempts
         try:
             reply = await self._one_attempt(entry, req, route, key, generated)
         except queries.DATABASE_ERRORS as exc:
-            if entry.record.dispatch_started or entry.record.ended or not queries.unreachable(exc):
+            if entry.record.dispatch_count > dispatched_before or entry.record.ended or not queries.unreachable(exc):
                 raise  # an error the database answered with (a damaged schema) is a 500, as elsewhere
             # A read of the database before dispatch (the vault's secret, an approval's state)
             # failed: nothing was sent, and the record, bound to its key, must not stay open.
@@ -1047,8 +1048,15 @@ class Broker:
                 return self._lease_lost(entry)
         deadline = time.monotonic() + route.approval_timeout
         while True:
-            later = await queries.events_after(self.journal.engine, entry.invocation_id, entry.record.last_seq or 0,
-                                               self.journal.decode_payload)
+            try:
+                later = await queries.events_after(self.journal.engine, entry.invocation_id,
+                                                   entry.record.last_seq or 0, self.journal.decode_payload)
+            except queries.DATABASE_ERRORS as exc:
+                if not queries.unreachable(exc) or time.monotonic() >= deadline:
+                    raise
+                later = []  # a moment's outage: the card stays held, and the next poll looks again
+                log.debug("invocation %s: could not read its approval state (%s); polling on", entry.invocation_id,
+                          brief(exc))
             if later:
                 entry.adopt(later)
             if entry.record.stage is Stage.APPROVED and entry.record.approval is not None:

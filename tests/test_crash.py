@@ -461,34 +461,45 @@ def test_a_caller_that_left_during_a_failed_dispatch_write_still_gets_its_record
     assert len([r for r in upstream.received if r.method]) == 1, "sent once: by the same-key re-send, never before"
 
 
-def test_a_vault_read_that_fails_before_dispatch_says_not_attempted_and_closes_the_record(relayed_pg, make_broker, upstream, tmp_path):
-    """The database goes away between the key's binding and the vault read of the secret: nothing
-    was sent, so the agent is told so (not a 500 that cannot vouch for anything), and the record,
-    bound to its key, is closed once the database is back rather than left "in progress"."""
+def _vaulted_broker(make_broker, upstream, url: str, tmp_path, failpoints: str, **sections: Any) -> BrokerProcess:
+    """A broker on ``url`` whose keyed route injects a vault secret, paused at ``failpoints``."""
     from proxy.crypto import generate_key
 
-    url, relay = relayed_pg
     key_file = tmp_path / "k1.key"
     key_file.write_text(generate_key())
     route = {**crash_routes(upstream)[1], "credential": "vaulted", "inject": {"header": "Authorization", "value": "Bearer {secret}"}}
     broker = make_broker(routes=[route], db_url=url, start=False, crypto={"keys": [f"k1=file:{key_file}"]},
-                         env={"AFFIDAVIT_FAILPOINTS": "before_credential=pause:1.5@1"})
+                         env={"AFFIDAVIT_FAILPOINTS": failpoints}, **sections)
     broker.config["secrets"].append({"name": "vaulted", "from": "vault:vaulted"})
     broker.config_path.write_text(__import__("tomli_w").dumps(broker.config))
     assert broker.command("db", "upgrade").returncode == 0
     assert broker.command("secrets", "set", "vaulted", input=b"vaulted-secret-value").returncode == 0
-    broker.start()
-    key = f"vault-{time.monotonic_ns()}"
+    return broker.start()
+
+
+def _vault_read_in_an_outage(broker: BrokerProcess, relay: TcpRelay, url: str, key: str) -> tuple[httpx.Response, dict]:
+    """Send ``url`` with ``key``; cut the database while the broker pauses before reading the vault."""
     result: dict[str, httpx.Response] = {}
-    thread = threading.Thread(target=lambda: result.setdefault("r", post(broker, SAFE + "/h/ok", key)))
+    thread = threading.Thread(target=lambda: result.setdefault("r", post(broker, url, key)))
     thread.start()
-    time.sleep(0.7)  # PREFLIGHT_VALIDATED is durable (keyed); the broker pauses before reading the vault
+    time.sleep(0.7)  # the broker pauses before it reads the vault
     relay.cut()
     thread.join(20)
-    response = result["r"]
-    body = check_envelope(response.content)
-    assert (response.status_code, body["error"]["code"], body["error"]["outcome"]) == (503, "JOURNAL_UNAVAILABLE", "not_attempted"), body
-    assert response.headers["affidavit-invocation-id"] == body["invocation_id"]
+    body = check_envelope(result["r"].content)
+    assert (result["r"].status_code, body["error"]["code"]) == (503, "JOURNAL_UNAVAILABLE"), body
+    assert result["r"].headers["affidavit-invocation-id"] == body["invocation_id"]
+    return result["r"], body
+
+
+def test_a_vault_read_that_fails_before_dispatch_says_not_attempted_and_closes_the_record(relayed_pg, make_broker, upstream, tmp_path):
+    """The database goes away between the key's binding and the vault read of the secret: nothing
+    was sent, so the agent is told so (not a 500 that cannot vouch for anything), and the record,
+    bound to its key, is closed once the database is back rather than left "in progress"."""
+    url, relay = relayed_pg
+    broker = _vaulted_broker(make_broker, upstream, url, tmp_path, "before_credential=pause:1.5@1")
+    key = f"vault-{time.monotonic_ns()}"
+    response, body = _vault_read_in_an_outage(broker, relay, SAFE + "/h/ok", key)
+    assert body["error"]["outcome"] == "not_attempted", body
     invocation_id = record_by_key_when_back(broker, relay, key)
     assert invocation_id == body["invocation_id"]
     record = broker.wait_for(invocation_id, lambda r: r["retry"] is not None, timeout=20)
@@ -497,6 +508,54 @@ def test_a_vault_read_that_fails_before_dispatch_says_not_attempted_and_closes_t
     again = post(broker, SAFE + "/h/ok", key)
     assert again.status_code == 200, again.text
     assert upstream.received[-1].header("Authorization") == "Bearer vaulted-secret-value"
+
+
+def test_a_resend_whose_vault_read_fails_says_so_and_keeps_the_earlier_unknown(relayed_pg, make_broker, upstream, tmp_path):
+    """The same outage, on the re-send of an invocation whose first attempt ended unknown: this
+    attempt sent nothing, and the answer says so (the invocation as a whole stays unknown, as its
+    first attempt left it), not a 500; once the failed re-send's lease runs out, the key's next
+    repeat re-sends."""
+    url, relay = relayed_pg
+    broker = _vaulted_broker(make_broker, upstream, url, tmp_path, "after_lease=pause:1.5@1", proxy={"retry_lease": "3s"})
+    key = f"vault-{time.monotonic_ns()}"
+    lost = post(broker, SAFE + "/h/idem_honour?code=201&lose=1", key)
+    assert check_envelope(lost.content)["error"]["retry"] == "same_idempotency_key", lost.text
+    response, body = _vault_read_in_an_outage(broker, relay, SAFE + "/h/idem_honour?code=201&lose=1", key)
+    assert body["invocation_id"] == lost.headers["affidavit-invocation-id"]
+    relay.restore()
+    assert len([r for r in upstream.received if r.method]) == 1, "the re-send was not sent"
+    time.sleep(2.0)  # the failed re-send's lease (3 s) runs out: until then a repeat is IDEMPOTENCY_IN_PROGRESS
+    again = post(broker, SAFE + "/h/idem_honour?code=201&lose=1", key)
+    assert again.status_code == 201, again.text
+    assert upstream.effects_by_key[key] == 1
+
+
+def test_a_held_request_outlasts_a_moment_of_database_outage(relayed_pg, make_broker, upstream):
+    """A request waits for an operator's approval and polls the database for the decision; the
+    database goes away for a moment. The card stays held (the poll looks again), and the approval
+    given once the database is back sends the request, once."""
+    url, relay = relayed_pg
+    route = {**crash_routes(upstream)[1], "approval": True, "approval_timeout": "30s"}
+    broker = make_broker(routes=[route], db_url=url)
+    key = f"held-{time.monotonic_ns()}"
+    result: dict[str, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: result.setdefault("r", post(broker, SAFE + "/h/ok", key, timeout=40)))
+    thread.start()
+    deadline = time.monotonic() + 10
+    cards: list = []
+    while not cards and time.monotonic() < deadline:
+        with broker.operator() as api:
+            cards = api.get("/v1/approvals").json()["items"]
+        time.sleep(0.1)
+    assert cards, "the request was held"
+    relay.cut()
+    time.sleep(1.5)  # several polls fail
+    relay.restore()
+    approved = broker.command("approvals", "approve", cards[0]["invocation_id"])
+    assert approved.returncode == 0, approved.stderr
+    thread.join(30)
+    assert result["r"].status_code == 200, result["r"].text
+    assert len([r for r in upstream.received if r.method]) == 1
 
 
 def test_a_read_only_database_fails_closed(make_broker, upstream, pg_admin_url):
