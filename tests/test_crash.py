@@ -926,6 +926,9 @@ def test_a_second_live_broker_under_the_same_instance_name_does_not_take_the_fir
     record = a.wait_for(live_id, lambda r: r["stage"] == "delivered")
     assert record["outcome"] == "committed"
     assert [e for e in record["events"] if e["kind"] == "FAILED"] == [], "the live broker's work was taken over"
+    deadline = time.monotonic() + 10  # b judges after its second look at the heartbeats
+    while "another running broker uses recovery.instance 'copied-name'" not in b.logs() and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert "another running broker uses recovery.instance 'copied-name'" in b.logs()
     assert "left in flight" not in b.logs()
     # And an earlier incarnation that did stop is still recovered at once (no stale_after wait).
