@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sqlite3
 import signal
 import socket
@@ -616,6 +617,32 @@ def test_a_journal_file_deleted_while_the_broker_runs_fails_closed_and_says_wher
         with pytest.raises(JournalUnavailable, match="was deleted or replaced while the broker ran"):
             await journal.commit(_write(new_invocation_id()))
         assert journal._sqlite_writer.pid != writer and not path.exists()
+        await journal.close()
+        await journal.engine.dispose()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("suffix", ["-wal", "-shm"])
+def test_a_wal_or_shm_file_deleted_while_the_broker_runs_fails_closed_for_good(tmp_path, suffix):
+    """Deleting the journal's -wal under a running broker leaves its connection committing into an
+    unlinked file: every commit since the last checkpoint is gone at the next start, while each
+    answer said committed (and a deleted -shm breaks the locking other connections rely on). The
+    writer checks both per batch, as it checks the journal file; the journal then says it cannot
+    write (readiness turns unwritable) until the broker restarts with the file back."""
+    path = tmp_path / "journal.db"
+    url = _migrated(path)
+
+    async def scenario() -> None:
+        journal = Journal(make_engine(url), writer="w1")
+        await journal.start()
+        await journal.commit(_write(new_invocation_id()))
+        assert journal.write_problem is None
+        Path(str(path) + suffix).unlink()
+        for _ in range(2):
+            with pytest.raises(JournalUnavailable, match=f"journal's {re.escape(str(path))}{suffix} file was deleted"):
+                await journal.commit(_write(new_invocation_id()))
+        assert journal.write_problem is not None and "deleted or replaced" in journal.write_problem
         await journal.close()
         await journal.engine.dispose()
 

@@ -313,10 +313,12 @@ class Journal:
 
     @property
     def write_problem(self) -> str | None:
-        """Why the journal cannot write at all right now, when it knows (SQLite: its writer
-        process could not start, or three in a row died on their batches, and it waits to try
-        again); None otherwise."""
-        return self._sqlite_writer.problem if self._sqlite_writer is not None else None
+        """Why the journal cannot write at all right now, when it knows (SQLite: its file was
+        deleted or replaced under it, for good; or its writer process could not start, or three
+        in a row died on their batches, and it waits to try again); None otherwise."""
+        if self._sqlite_writer is None:
+            return None
+        return self._sqlite_writer.replaced or self._sqlite_writer.problem
 
     def _close_sqlite(self) -> None:
         statements, self._sqlite = self._sqlite, None

@@ -93,6 +93,9 @@ class SqliteWriter:
         self._closed = False
         #: (device, inode) of the journal file when the first writer process started.
         self._identity: tuple[int, int] | None = None
+        #: Set, for good, once a writer found the journal's file (or its -wal or -shm) deleted or
+        #: replaced: nothing more is written until the broker restarts with the file back.
+        self.replaced: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -199,6 +202,8 @@ class SqliteWriter:
         A child found gone while the batch is being handed over never had all of it, so the
         batch goes to a new child, once.
         """
+        if self.replaced is not None:
+            raise sqlite3.OperationalError(self.replaced)
         frame = _FRAME.pack(len(document)) + document
         for handover in (1, 2):
             await self.start()
@@ -223,6 +228,9 @@ class SqliteWriter:
             self._died_on_batch(proc)
             raise
         self._batch_deaths = self._backoffs = 0
+        if answer.get("error") == "replaced":
+            self.replaced = answer["message"]
+            log.error("journal: %s", self.replaced)  # whole, once: the refusals after it are cut short
         if "error" in answer:
             error = sqlite3.IntegrityError if answer["error"] == "integrity" else sqlite3.OperationalError
             raise error(answer["message"])
@@ -381,6 +389,7 @@ def serve(path: str, timeout: float, requests: BinaryIO, answers: BinaryIO, expe
     inode) the journal file had when the broker first started a writer (None: take the first)."""
     statements: SqliteStatements | None = None
     opened = expected
+    sides: dict[str, tuple[int, int] | None] = {}  # the -wal and -shm files this writer's connection has open
     while True:
         head = requests.read(_FRAME.size)
         if len(head) < _FRAME.size:
@@ -391,13 +400,16 @@ def serve(path: str, timeout: float, requests: BinaryIO, answers: BinaryIO, expe
             break
         try:
             opened = _still_the_journal(path, opened)  # before connecting, which would make a new, empty one
+            _still_its_side_files(path, sides)
             if statements is None:
                 statements = SqliteStatements.connect(path, timeout)
             answer: dict[str, Any] = {"refused": apply_document(statements, orjson.loads(body))}
+            if not sides:  # they exist now (WAL mode, a write made): the ones this connection uses
+                sides.update({suffix: file_identity(path + suffix) for suffix in _SIDE_FILES})
         except sqlite3.IntegrityError as exc:
             answer = {"error": "integrity", "message": str(exc)}
         except JournalReplaced as exc:  # the connection stays open: it keeps the deleted file readable
-            answer = {"error": "database", "message": str(exc)}
+            answer = {"error": "replaced", "message": str(exc)}
         except Exception as exc:  # the database refused: the next batch starts on a fresh connection
             answer = {"error": "database", "message": str(exc) or type(exc).__name__}
             if statements is not None:
@@ -433,10 +445,27 @@ def _still_the_journal(path: str, opened: tuple[int, int] | None) -> tuple[int, 
     if now != opened:
         raise JournalReplaced(
             f"the journal file {path} was deleted or replaced while the broker ran; nothing was written (writes would "
-            f"go to a file no one reads). While this writer process (pid {os.getpid()}) lives, the file it had open is "
-            f"still readable in /proc/{os.getpid()}/fd (the entry marked '(deleted)'): copy it back to {path}, with "
-            "its -wal file, then restart the broker")
+            "go to a file no one reads). Restart the broker once the file is back: while this writer process (pid "
+            f"{os.getpid()}) lives, the file it had open is still readable in /proc/{os.getpid()}/fd (the entry marked "
+            f"'(deleted)'): copy it back to {path}, with its -wal file")
     return opened
+
+
+#: SQLite's files beside the journal in WAL mode: commits live in the -wal until a checkpoint.
+_SIDE_FILES = ("-wal", "-shm")
+
+
+def _still_its_side_files(path: str, sides: dict[str, tuple[int, int] | None]) -> None:
+    """The journal's -wal and -shm files are the ones this writer's connection has open; raises
+    if one was deleted or replaced (the connection would go on committing into an unlinked -wal,
+    and every commit since the last checkpoint would be gone at the next start)."""
+    for suffix, opened in sides.items():
+        if opened is not None and file_identity(path + suffix) != opened:
+            raise JournalReplaced(
+                f"the journal's {path}{suffix} file was deleted or replaced while the broker ran, so its latest "
+                "commits are in a file no one reads; nothing more is written. Before the broker stops, copy the entry "
+                f"marked '(deleted)' in /proc/{os.getpid()}/fd back to {path}{suffix} (this writer process, pid "
+                f"{os.getpid()}, still has it open), then restart the broker")
 
 
 def _die_with(parent: int) -> None:
