@@ -1419,14 +1419,41 @@ class Broker:
         if entry.broken:
             return
         entry.append(EventKind.RESULT_DELIVERED, channel="proxy")
-        entry.submit_quietly()
+        self._write_behind(entry)
 
     def _undelivered(self, entry: InvocationLog, left: CallerDisposition) -> None:
         if entry.broken:
             return
         entry.append(EventKind.CALLER_CANCELLED, disposition=left.value)
         entry.append(EventKind.FAILED, phase=Phase.RESULT_DELIVERY, code=Code.CALLER_CANCELLED)
-        entry.submit_quietly()
+        self._write_behind(entry)
+
+    def _write_behind(self, entry: InvocationLog) -> None:
+        """What became of the delivery, written without anyone waiting. No later write of this
+        invocation would resend it if it failed (the journal away for a moment), and the record
+        would say 'wait' until a restart's recovery guessed the caller had left: so a failed one
+        is sent again in the background until it lands."""
+        def landed(future: asyncio.Future[None]) -> None:
+            if future.cancelled() or future.exception() is None or isinstance(future.exception(), LeaseLost):
+                return  # done; or another broker closed the record, which then says what it knows
+            self._spawn(self._resend_behind(entry))
+
+        entry.submit(lazy=True).add_done_callback(landed)
+
+    async def _resend_behind(self, entry: InvocationLog) -> None:
+        pause, deadline = 1.0, time.monotonic() + self.settings.upstream.result_horizon
+        while time.monotonic() < deadline:
+            await asyncio.sleep(pause)
+            try:
+                await entry.resubmit()
+                return
+            except LeaseLost:
+                return
+            except JournalUnavailable:
+                pause = min(pause * 2, 30.0)
+        log.warning("invocation %s: what became of its delivery could not be recorded within result_horizon (the "
+                    "journal did not take the write); its record says the caller still waits until recovery closes "
+                    "it after a restart", entry.invocation_id)
 
     # -- refusals and envelopes -------------------------------------------------------------
 

@@ -3,10 +3,12 @@ it loses nothing and claims nothing false. Real broker processes, ``kill -9``, r
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import contextlib
 import os
 import secrets
+import socket
 import sqlite3
 import threading
 import time
@@ -556,6 +558,38 @@ def test_a_held_request_outlasts_a_moment_of_database_outage(relayed_pg, make_br
     thread.join(30)
     assert result["r"].status_code == 200, result["r"].text
     assert len([r for r in upstream.received if r.method]) == 1
+
+
+def test_a_delivery_recorded_while_the_database_is_away_is_written_once_it_is_back(relayed_pg, make_broker, upstream):
+    """The result is durable and the agent is reading it when the database goes away: the fact
+    that it was delivered cannot be written then, and no later write of the invocation would carry
+    it. It is sent again until it lands, so the record says delivered, not 'wait' until a
+    restart's recovery decides the caller left."""
+    url, relay = relayed_pg
+    broker = make_broker(db_url=url)
+    size = 8 * 1024 * 1024  # more than socket buffers hold: delivery ends when the agent has read it
+    basic = base64.b64encode(f"builder:{broker.agents['builder'].token}".encode())
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(10)
+        sock.connect(("127.0.0.1", broker.proxy_port))
+        sock.sendall(b"GET http://plain.example.test/h/big?bytes=%d HTTP/1.1\r\nHost: plain.example.test\r\n"
+                     b"Proxy-Authorization: Basic %s\r\n\r\n" % (size, basic))
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(4096)
+        head, _, body = data.partition(b"\r\n\r\n")
+        invocation_id = next(line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n")
+                             if line.lower().startswith(b"affidavit-invocation-id:"))
+        relay.cut()  # the result is durable (its head left after that commit); the delivery is not yet
+        read = len(body)
+        while read < size and (chunk := sock.recv(65536)):
+            read += len(chunk)
+    assert read == size
+    time.sleep(1.5)  # the delivery's write fails in the outage
+    relay.restore()
+    record = broker.wait_for(invocation_id, lambda r: r["stage"] == "delivered", timeout=20)
+    assert record["caller_disposition"] == "completed", record
 
 
 def test_a_read_only_database_fails_closed(make_broker, upstream, pg_admin_url):
