@@ -13,7 +13,6 @@ import os
 import secrets
 import socket
 import ssl
-import struct
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ import tomli_w
 
 from tests.conftest import BrokerFactory, standard_routes
 from tests.support.canaries import CANARIES
-from tests.support.broker import BrokerProcess
+from tests.support.broker import BrokerProcess, big_answer_over_http1
 from tests.support.envelopes import check_envelope
 from tests.support.hostile import HostileUpstream
 from tests.support.journal import dispatched_ids, dump_journal, query
@@ -1361,39 +1360,11 @@ def test_a_request_head_just_under_the_bound_is_served_however_it_arrives(broker
 BIG = 8 * 1024 * 1024  # more than the kernel's socket buffers and an HTTP/2 window hold
 
 
-def _big_over_http1(broker: BrokerProcess, read_all: bool) -> tuple[str, int]:
-    """GET a large answer on the plain route with a small receive buffer: read it whole, or read
-    its head only and reset the connection a second later. (invocation id, body bytes read)"""
-    basic = base64.b64encode(f"builder:{broker.agents['builder'].token}".encode())
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.settimeout(10)
-    sock.connect(("127.0.0.1", broker.proxy_port))
-    sock.sendall(b"GET http://plain.example.test/h/big?bytes=%d HTTP/1.1\r\nHost: plain.example.test\r\n"
-                 b"Proxy-Authorization: Basic %s\r\n\r\n" % (BIG, basic))
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += sock.recv(4096)
-    head, _, body = data.partition(b"\r\n\r\n")
-    invocation_id = next(line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n")
-                         if line.lower().startswith(b"affidavit-invocation-id:"))
-    read = len(body)
-    if read_all:
-        while read < BIG and (chunk := sock.recv(65536)):
-            read += len(chunk)
-        sock.close()
-    else:
-        time.sleep(1.0)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
-        sock.close()
-    return invocation_id, read
-
-
 def test_a_large_answer_the_agent_never_reads_is_not_recorded_as_delivered(broker: BrokerProcess, upstream: HostileUpstream):
     """RESULT_DELIVERED only once every byte has left the broker (contract section 6): an agent
     that takes the head and a little of the body, then resets, had a failed delivery, and the
     record says fetch the result."""
-    invocation_id, read = _big_over_http1(broker, read_all=False)
+    invocation_id, read = big_answer_over_http1(broker, BIG, read_all=False)
     assert read < BIG
     record = broker.wait_for(invocation_id, lambda r: r["stage"] in ("delivered", "delivery_failed"))
     kinds = [e["kind"] for e in record["events"]]
@@ -1405,7 +1376,7 @@ def test_a_large_answer_the_agent_never_reads_is_not_recorded_as_delivered(broke
 
 
 def test_a_large_answer_read_slowly_is_delivered_once_it_has_all_left(broker: BrokerProcess, upstream: HostileUpstream):
-    invocation_id, read = _big_over_http1(broker, read_all=True)
+    invocation_id, read = big_answer_over_http1(broker, BIG, read_all=True)
     assert read == BIG
     record = broker.wait_for(invocation_id, lambda r: r["stage"] in ("delivered", "delivery_failed"))
     assert record["stage"] == "delivered" and record["caller_disposition"] == "completed", record

@@ -3,12 +3,10 @@ it loses nothing and claims nothing false. Real broker processes, ``kill -9``, r
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import contextlib
 import os
 import secrets
-import socket
 import sqlite3
 import threading
 import time
@@ -19,7 +17,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from tests.conftest import DIALECTS
-from tests.support.broker import BrokerProcess
+from tests.support.broker import BrokerProcess, big_answer_over_http1
 from tests.support.envelopes import check_envelope
 from tests.support.hostile import HostileUpstream
 from tests.support.journal import query
@@ -568,23 +566,9 @@ def test_a_delivery_recorded_while_the_database_is_away_is_written_once_it_is_ba
     url, relay = relayed_pg
     broker = make_broker(db_url=url)
     size = 8 * 1024 * 1024  # more than socket buffers hold: delivery ends when the agent has read it
-    basic = base64.b64encode(f"builder:{broker.agents['builder'].token}".encode())
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.settimeout(10)
-        sock.connect(("127.0.0.1", broker.proxy_port))
-        sock.sendall(b"GET http://plain.example.test/h/big?bytes=%d HTTP/1.1\r\nHost: plain.example.test\r\n"
-                     b"Proxy-Authorization: Basic %s\r\n\r\n" % (size, basic))
-        data = b""
-        while b"\r\n\r\n" not in data:
-            data += sock.recv(4096)
-        head, _, body = data.partition(b"\r\n\r\n")
-        invocation_id = next(line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n")
-                             if line.lower().startswith(b"affidavit-invocation-id:"))
-        relay.cut()  # the result is durable (its head left after that commit); the delivery is not yet
-        read = len(body)
-        while read < size and (chunk := sock.recv(65536)):
-            read += len(chunk)
+    # Cut once the head is in: the result is durable (its head left after that commit), the
+    # delivery is not yet.
+    invocation_id, read = big_answer_over_http1(broker, size, read_all=True, after_head=relay.cut)
     assert read == size
     time.sleep(1.5)  # the delivery's write fails in the outage
     relay.restore()

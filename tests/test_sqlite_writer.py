@@ -593,42 +593,17 @@ def test_a_stop_signal_meant_for_the_broker_does_not_end_its_writer_process(tmp_
     asyncio.run(scenario())
 
 
-def test_a_journal_file_deleted_while_the_broker_runs_fails_closed_and_says_where_it_still_is(tmp_path):
+@pytest.mark.parametrize(("deleted", "said"), [
+    (("", "-wal", "-shm"), "the journal file {path} was deleted or replaced"),
+    (("-wal",), "the journal's {path}-wal file was deleted"),
+    (("-shm",), "the journal's {path}-shm file was deleted"),
+])
+def test_a_journal_file_deleted_while_the_broker_runs_fails_closed_for_good(tmp_path, deleted, said):
     """An open SQLite connection goes on writing to a deleted file, and every commit succeeds:
-    durable to no one. The writer process checks, per batch, that the path is still the file it
-    opened; a deleted or replaced one fails the batch (nothing forwarded) and every one after it."""
-    path = tmp_path / "journal.db"
-    url = _migrated(path)
-
-    async def scenario() -> None:
-        journal = Journal(make_engine(url), writer="w1")
-        await journal.start()
-        await journal.commit(_write(new_invocation_id()))
-        for suffix in ("", "-wal", "-shm"):
-            Path(str(path) + suffix).unlink(missing_ok=True)
-        for _ in range(2):  # and it stays refused: no new, empty journal in its place
-            with pytest.raises(JournalUnavailable, match="was deleted or replaced while the broker ran"):
-                await journal.commit(_write(new_invocation_id()))
-        assert not path.exists()
-        writer = journal._sqlite_writer.pid
-        held = [os.readlink(f"/proc/{writer}/fd/{fd}") for fd in os.listdir(f"/proc/{writer}/fd")]
-        assert f"{path} (deleted)" in held, "the writer keeps the deleted file open, as its message says"
-        journal._sqlite_writer.kill()  # a new writer process knows it too
-        with pytest.raises(JournalUnavailable, match="was deleted or replaced while the broker ran"):
-            await journal.commit(_write(new_invocation_id()))
-        assert journal._sqlite_writer.pid != writer and not path.exists()
-        await journal.close()
-        await journal.engine.dispose()
-
-    asyncio.run(scenario())
-
-
-@pytest.mark.parametrize("suffix", ["-wal", "-shm"])
-def test_a_wal_or_shm_file_deleted_while_the_broker_runs_fails_closed_for_good(tmp_path, suffix):
-    """Deleting the journal's -wal under a running broker leaves its connection committing into an
-    unlinked file: every commit since the last checkpoint is gone at the next start, while each
-    answer said committed (and a deleted -shm breaks the locking other connections rely on). The
-    writer checks both per batch, as it checks the journal file; the journal then says it cannot
+    durable to no one (for the -wal, every commit since the last checkpoint is gone at the next
+    start; a deleted -shm breaks the locking other connections rely on). The writer process
+    checks, per batch, that the paths are still the files it opened; a deleted or replaced one
+    fails the batch (nothing forwarded) and every one after it, and the journal says it cannot
     write (readiness turns unwritable) until the broker restarts with the file back."""
     path = tmp_path / "journal.db"
     url = _migrated(path)
@@ -638,11 +613,21 @@ def test_a_wal_or_shm_file_deleted_while_the_broker_runs_fails_closed_for_good(t
         await journal.start()
         await journal.commit(_write(new_invocation_id()))
         assert journal.write_problem is None
-        Path(str(path) + suffix).unlink()
-        for _ in range(2):
-            with pytest.raises(JournalUnavailable, match=f"journal's {re.escape(str(path))}{suffix} file was deleted"):
+        for suffix in deleted:
+            Path(str(path) + suffix).unlink(missing_ok=True)
+        for _ in range(2):  # and it stays refused: no new, empty journal in its place
+            with pytest.raises(JournalUnavailable, match=re.escape(said.format(path=path))):
                 await journal.commit(_write(new_invocation_id()))
         assert journal.write_problem is not None and "deleted or replaced" in journal.write_problem
+        writer = journal._sqlite_writer.pid
+        held = [os.readlink(f"/proc/{writer}/fd/{fd}") for fd in os.listdir(f"/proc/{writer}/fd")]
+        assert f"{path}{deleted[0]} (deleted)" in held, "the writer keeps the deleted file open, as its message says"
+        journal._sqlite_writer.kill()  # and after its writer process, still refused
+        with pytest.raises(JournalUnavailable, match="deleted or replaced while the broker ran"):
+            await journal.commit(_write(new_invocation_id()))
+        assert journal._sqlite_writer.pid != writer
+        if "" in deleted:
+            assert not path.exists(), "no new, empty journal in its place"
         await journal.close()
         await journal.engine.dispose()
 

@@ -281,3 +281,35 @@ class BrokerProcess:
             timeout=timeout + 5,
             env={k: v for k, v in os.environ.items() if "PROXY" not in k.upper()},
         )
+
+
+def big_answer_over_http1(broker: BrokerProcess, size: int, *, read_all: bool, after_head: Any = None) -> tuple[str, int]:
+    """GET ``size`` bytes from the plain route's ``/h/big`` with a small receive buffer, so the
+    delivery ends only as the agent reads: read it whole, or read its head only and reset the
+    connection a second later. ``after_head`` runs once the head is in (a fault to inject while
+    the answer is being delivered). (invocation id, body bytes read)"""
+    import struct
+
+    basic = base64.b64encode(f"builder:{broker.agents['builder'].token}".encode())
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(10)
+        sock.connect(("127.0.0.1", broker.proxy_port))
+        sock.sendall(b"GET http://plain.example.test/h/big?bytes=%d HTTP/1.1\r\nHost: plain.example.test\r\n"
+                     b"Proxy-Authorization: Basic %s\r\n\r\n" % (size, basic))
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(4096)
+        head, _, body = data.partition(b"\r\n\r\n")
+        invocation_id = next(line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n")
+                             if line.lower().startswith(b"affidavit-invocation-id:"))
+        if after_head is not None:
+            after_head()
+        read = len(body)
+        if read_all:
+            while read < size and (chunk := sock.recv(65536)):
+                read += len(chunk)
+        else:
+            time.sleep(1.0)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+    return invocation_id, read
