@@ -298,6 +298,29 @@ def test_an_unreachable_journal_fails_closed_and_the_broker_serves_again_when_it
     assert "journal write failed" not in broker.logs().split("could not be checked against the journal")[-1]
 
 
+def test_an_outage_under_load_is_a_few_log_lines_not_one_per_failed_batch(relayed_pg, make_broker, upstream):
+    """Every request refused in an outage is a failed batch; a busy broker fails dozens a second.
+    The first is logged whole, the rest are counted into one line per 10 s, and the recovery line
+    says how many there were."""
+    url, relay = relayed_pg
+    broker = _start_on(make_broker, upstream, url)
+    with broker.client() as client:
+        assert client.post(CRASH + "/h/ok", content=b"{}").status_code == 200
+        offset = len(broker.logs())
+        relay.cut()
+        refused = [client.post(CRASH + "/h/ok", content=b"{}").status_code for _ in range(12)]
+        assert refused == [503] * 12
+        relay.restore()
+        deadline = time.monotonic() + 10
+        while client.post(CRASH + "/h/ok", content=b"{}").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    logs = broker.logs()[offset:]
+    failed = [line for line in logs.splitlines() if "journal write failed" in line]
+    assert len(failed) == 1, failed
+    [back] = [line for line in logs.splitlines() if "journal writes work again" in line]
+    assert int(back.split("(")[1].split()[0]) >= 12, back
+
+
 def test_a_progress_write_lost_in_an_outage_does_not_cost_the_result_once_the_journal_is_back(relayed_pg, make_broker, upstream):
     """A slow exchange records its progress lazily, while it waits. If that write fails (the
     journal is away for a moment), the result's commit sends it again first, in order, rather

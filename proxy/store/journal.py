@@ -50,6 +50,9 @@ Statements = CoreStatements | SqliteStatements
 GENESIS = "0" * 64
 
 
+#: Seconds between the log lines of one outage's failed batches (the first is logged at once).
+FAILURE_LOG_EVERY = 10.0
+
 class JournalUnavailable(Exception):
     """The journal could not make the rows durable (database down, read-only, too slow)."""
 
@@ -245,6 +248,10 @@ class Journal:
         self.batches = 0
         self.errors = 0
         self.healthy = True
+        #: During an outage the first failed batch is logged whole, then one line per
+        #: FAILURE_LOG_EVERY seconds with the count since (a busy broker fails dozens a second).
+        self._failure_logged_at = -FAILURE_LOG_EVERY
+        self._failures_unlogged = 0
         #: Why :meth:`start` could not make the journal writable (the broker refuses to start).
         self.start_problem: str | None = None
 
@@ -461,15 +468,22 @@ class Journal:
         except Exception as exc:  # any failure to make the rows durable: the callers are told
             self.errors += 1
             metrics.JOURNAL_ERRORS.inc()
-            self.healthy = False
+            was_healthy, self.healthy = self.healthy, False
             await self._drop_connection()
             self._rotate_chain()
-            log.warning(
-                "journal write failed; %d write(s) not recorded: %s. Requests waiting on them were refused "
-                "(JOURNAL_UNAVAILABLE, nothing sent) or, for a result, delivered flagged RESULT_STORE_FAILED and "
-                "written later; the next write tries a new connection. Operators: check the database.",
-                len(live), brief(exc),
-            )
+            now = time.monotonic()
+            if was_healthy or now - self._failure_logged_at >= FAILURE_LOG_EVERY:
+                since = (f" ({self._failures_unlogged} more failed batch(es) since the last such line)"
+                         if self._failures_unlogged else "")
+                log.warning(
+                    "journal write failed; %d write(s) not recorded: %s. Requests waiting on them were refused "
+                    "(JOURNAL_UNAVAILABLE, nothing sent) or, for a result, delivered flagged RESULT_STORE_FAILED and "
+                    "written later; the next write tries a new connection. Operators: check the database.%s",
+                    len(live), brief(exc), since,
+                )
+                self._failure_logged_at, self._failures_unlogged = now, 0
+            else:
+                self._failures_unlogged += 1
             error = JournalUnavailable(brief(exc))
             for w in live:
                 if not w.future.done():  # type: ignore[union-attr]
@@ -477,6 +491,7 @@ class Journal:
             return
         if not self.healthy:
             log.warning("journal writes work again (%d failed batch(es) so far); requests are served", self.errors)
+            self._failure_logged_at, self._failures_unlogged = -FAILURE_LOG_EVERY, 0
         self.healthy = True
         self.batches += 1
         for w in live:
