@@ -1489,7 +1489,7 @@ class Broker:
             "This broker's lease on the invocation ran out, or another broker took the invocation over (this one "
             "was silent too long), before it could dispatch, so it sent nothing; another attempt may be running "
             "elsewhere. Ask GET /v1/invocations/{id} before trying again.",
-            {"dispatch_started": False},
+            {"dispatch_started": earlier > 0},  # of the invocation, as its outcome: this attempt sent nothing
         )
         headers = [("Content-Type", MEDIA_TYPE), (INVOCATION_HEADER, entry.invocation_id), (CODE_HEADER, Code.LEASE_LOST.value),
                    (OUTCOME_HEADER, outcome.value), *should_retry(Retry.BACKOFF)]

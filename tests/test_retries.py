@@ -437,7 +437,9 @@ def test_lease_lost_says_what_earlier_attempts_prove(dispatches, refused_dispatc
     entry = SimpleNamespace(invocation_id="act_" + "0" * 26, record=Record(dispatch_count=dispatches))
     reply = Broker._lease_lost(None, entry, refused_dispatch=refused_dispatch)  # type: ignore[arg-type]
     assert dict(reply.headers)["Affidavit-Outcome"] == outcome
-    assert check_envelope(reply.body)["error"]["outcome"] == outcome
+    body = check_envelope(reply.body)
+    assert body["error"]["outcome"] == outcome
+    assert body["evidence"]["dispatch_started"] is (outcome == "unknown"), "the evidence agrees with the outcome"
 
 
 def test_a_lease_that_ran_out_with_nobody_taking_it_is_renewed_by_its_holder(make_broker, upstream):
