@@ -530,6 +530,9 @@ class Broker:
         self.owner = owner
         self._background: set[asyncio.Task[Any]] = set()
         self._handling: set[asyncio.Task[Any]] = set()  # requests being handled right now
+        #: Owners named as this broker's earlier incarnations that are alive (recovery found their
+        #: heartbeat moving: another broker under the same recovery.instance); shared with it.
+        self.twins: set[str] = set()
         for route in settings.routes:
             if route.connect_to:
                 host, _, port = route.connect_to.rpartition(":")
@@ -866,7 +869,8 @@ class Broker:
         holder = row["owner"] or ""
         # An earlier incarnation of this broker is dead (this one holds its port), however fresh
         # its last heartbeat; any other holder is alive until its heartbeat goes stale.
-        earlier_self = holder != self.owner and holder.rpartition("/")[0] == self.owner.rpartition("/")[0]
+        earlier_self = (holder != self.owner and holder.rpartition("/")[0] == self.owner.rpartition("/")[0]
+                        and holder not in self.twins)
         holder_alive = not earlier_self and await _read(
             leases.owner_alive(self.journal.engine, holder, self.settings.recovery.stale_after))
         now = utcnow()

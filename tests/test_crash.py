@@ -49,6 +49,15 @@ def restart_without_failpoints(broker: BrokerProcess) -> None:
     broker.start()
 
 
+def record_by_key_when(broker: BrokerProcess, key: str, timeout: float = 10.0) -> str:
+    """The invocation bound to ``key``, once there is one."""
+    deadline = time.monotonic() + timeout
+    while not query(broker.database_url, f"SELECT 1 FROM invocations WHERE idempotency_key = '{key}'"):
+        assert time.monotonic() < deadline, f"no record for key {key} within {timeout}s"
+        time.sleep(0.05)
+    return record_by_key(broker, key)
+
+
 def record_by_key(broker: BrokerProcess, key: str) -> str:
     rows = query(broker.database_url, f"SELECT invocation_id FROM invocations WHERE idempotency_key = '{key}'")
     assert len(rows) == 1, rows
@@ -982,6 +991,28 @@ def test_a_second_live_broker_under_the_same_instance_name_does_not_take_the_fir
     b.start()
     closed = b.wait_for(dead_id, lambda r: r["stage"] == "ended_unknown", timeout=5)
     assert closed["code"] == "REMOTE_OUTCOME_UNKNOWN"
+
+
+def test_a_second_live_broker_under_the_same_instance_name_leaves_the_first_ones_held_request_alone(make_broker, upstream):
+    """The same misconfiguration with a request held for approval: a repeat of its key through the
+    second broker must not take the hold over as if its holder were a dead earlier incarnation."""
+    routes = [{**crash_routes(upstream)[1], "approval": True, "approval_timeout": "20s"}]
+    a = make_broker("postgresql", routes=routes, recovery={**FAST_RECOVERY, "instance": "copied-name"})
+    key = f"twin-held-{time.monotonic_ns()}"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(post, a, SAFE + "/h/ok", key, 30)
+        invocation_id = record_by_key_when(a, key)
+        b = make_broker(routes=routes, like=a, recovery={**FAST_RECOVERY, "instance": "copied-name"})
+        deadline = time.monotonic() + 10
+        while "another running broker uses recovery.instance" not in b.logs() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        repeat = post(b, SAFE + "/h/ok", key)
+        body = check_envelope(repeat.content)
+        assert (repeat.status_code, body["error"]["code"], body["invocation_id"]) == (409, "APPROVAL_REQUIRED", invocation_id), body
+        assert "waiting for an operator's approval" in body["error"]["message"], body
+        assert a.command("approvals", "approve", invocation_id).returncode == 0
+        assert held.result(timeout=30).status_code == 200
+    assert len([r for r in upstream.received if r.method]) == 1
 
 
 def test_a_broker_with_no_heartbeat_yet_keeps_its_fresh_records(make_broker, upstream):
