@@ -211,7 +211,7 @@ async def serve(
         stale_after=settings.recovery.stale_after,
         sweep_every=settings.recovery.sweep_every,
     )
-    broker.twins = recovery.twins  # one set: what recovery learns of live twins, the broker heeds
+    broker.earlier_incarnation_dead = recovery.earlier_incarnation_dead
 
     listen_host, listen_port = parse_listen(settings.proxy.listen)
     prepare_ca(settings)

@@ -530,9 +530,11 @@ class Broker:
         self.owner = owner
         self._background: set[asyncio.Task[Any]] = set()
         self._handling: set[asyncio.Task[Any]] = set()  # requests being handled right now
-        #: Owners named as this broker's earlier incarnations that are alive (recovery found their
-        #: heartbeat moving: another broker under the same recovery.instance); shared with it.
-        self.twins: set[str] = set()
+        self._behind: set[asyncio.Task[Any]] = set()  # write-behind resends (_resend_behind)
+        self._closing = False
+        #: Whether an owner named as this broker's earlier incarnation is dead (recovery's view:
+        #: not once it has seen that owner's heartbeat move, a live twin).
+        self.earlier_incarnation_dead: Callable[[str], bool] = lambda owner: True
         for route in settings.routes:
             if route.connect_to:
                 host, _, port = route.connect_to.rpartition(":")
@@ -542,6 +544,9 @@ class Broker:
     async def close(self) -> None:
         """Wait (bounded) for requests still ending and exchanges still recording late results,
         so that what they learnt is written before the journal closes."""
+        self._closing = True  # no new write-behind resends: the journal closes after this
+        for task in self._behind:
+            task.cancel()
         for waiting in (self._handling, self._background):
             if waiting:
                 await asyncio.wait(set(waiting), timeout=5)
@@ -870,7 +875,7 @@ class Broker:
         # An earlier incarnation of this broker is dead (this one holds its port), however fresh
         # its last heartbeat; any other holder is alive until its heartbeat goes stale.
         earlier_self = (holder != self.owner and holder.rpartition("/")[0] == self.owner.rpartition("/")[0]
-                        and holder not in self.twins)
+                        and self.earlier_incarnation_dead(holder))
         holder_alive = not earlier_self and await _read(
             leases.owner_alive(self.journal.engine, holder, self.settings.recovery.stale_after))
         now = utcnow()
@@ -1440,7 +1445,11 @@ class Broker:
         def landed(future: asyncio.Future[None]) -> None:
             if future.cancelled() or future.exception() is None or isinstance(future.exception(), LeaseLost):
                 return  # done; or another broker closed the record, which then says what it knows
-            self._spawn(self._resend_behind(entry))
+            if self._closing:
+                return  # the journal is closing: recovery at the next start closes the record
+            task = asyncio.create_task(self._resend_behind(entry))
+            self._behind.add(task)
+            task.add_done_callback(self._behind.discard)
 
         entry.submit(lazy=True).add_done_callback(landed)
 
@@ -1453,7 +1462,7 @@ class Broker:
                 return
             except LeaseLost:
                 return
-            except JournalUnavailable:
+            except (JournalUnavailable, *queries.DATABASE_ERRORS):  # resubmit reads, too
                 pause = min(pause * 2, 30.0)
         log.warning("invocation %s: what became of its delivery could not be recorded within result_horizon (the "
                     "journal did not take the write); its record says the caller still waits until recovery closes "

@@ -200,6 +200,13 @@ class Recovery:
         loop = asyncio.get_running_loop()
         return self._first_look is not None and loop.time() - self._first_look >= self._twin_wait
 
+    def earlier_incarnation_dead(self, owner: str) -> bool:
+        """Whether ``owner``, named as an earlier incarnation of this broker, is dead: it is, since
+        this broker holds its port, unless its heartbeat was seen moving (a live twin). Seeing
+        that takes about two heartbeats from the start; until then a restarted broker takes its
+        predecessor's held requests over at once, as it must, and a twin's would be too."""
+        return owner not in self.twins
+
     async def _look_for_twins(self) -> None:
         """Note this instance's other owners whose heartbeat moved since the last look: they are
         alive, however their name says they are an earlier incarnation of this broker."""

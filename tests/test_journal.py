@@ -663,3 +663,37 @@ def test_the_answer_a_cut_off_broker_saw_is_never_appended_over_what_came_after(
     else:
         assert findings == 1 and record.reconciled_outcome is Outcome.REJECTED, "the operator's finding stands"
     assert "did not append what it saw" in caplog.text and "this broker re-sent nothing" in caplog.text
+
+
+@pytest.mark.parametrize("closed", [False, True])
+def test_a_failed_write_behind_is_resent_until_it_lands_but_not_after_the_broker_closed(db, monkeypatch, closed):
+    """The delivery fact's write-behind failed: it is sent again in the background (the record
+    then says delivered). Once the broker is closing, nothing new is started: the journal closes
+    next, and a resend would only knock on it for result_horizon."""
+    async def scenario() -> tuple[int, list[str]]:
+        journal = Journal(make_engine(db), writer="w1")
+        await journal.start()
+        try:
+            broker = _in_process_broker(db, monkeypatch, journal)
+            entry = _accepted(journal)
+            await entry.commit()
+            if closed:
+                await broker.close()
+            _failed_once(journal, land=False)
+            entry.append(EventKind.PREFLIGHT_VALIDATED, route="payments.create")
+            broker._write_behind(entry)
+            await asyncio.sleep(0.1)
+            started = len(broker._behind)
+            if started:
+                await asyncio.wait_for(asyncio.gather(*broker._behind), 10)
+            _, stored = await queries.events_of(journal.engine, entry.invocation_id, journal.decode_payload)
+            return started, [e.kind.value for e in stored]
+        finally:
+            await journal.close()
+            await journal.engine.dispose()
+
+    started, kinds = asyncio.run(scenario())
+    if closed:
+        assert (started, kinds) == (0, ["ACTION_ACCEPTED"])
+    else:
+        assert (started, kinds) == (1, ["ACTION_ACCEPTED", "PREFLIGHT_VALIDATED"])

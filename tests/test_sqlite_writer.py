@@ -18,6 +18,7 @@ from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 from sqlalchemy import select
 
@@ -632,3 +633,25 @@ def test_a_journal_file_deleted_while_the_broker_runs_fails_closed_for_good(tmp_
         await journal.engine.dispose()
 
     asyncio.run(scenario())
+
+
+def test_a_writer_that_reset_its_connection_does_not_take_sqlites_own_wal_cleanup_for_a_deletion(tmp_path):
+    """A batch the database refuses closes the writer's connection; if it was the last one, SQLite
+    checkpoints and deletes the -wal and -shm itself. That is no operator's deletion: the next
+    connection's files are looked at anew, and writes go on."""
+    import io
+
+    from proxy.store.sqlite_writer import _FRAME, serve
+
+    path = tmp_path / "journal.db"
+    _migrated(path)
+    batches = [{}, {"checks": [{"write": 0, "fence": {"invocation_id": "act_x", "generation": 1, "owner": "o",
+                                                       "now": "not a time", "check_expiry": True}}]}, {}, {}]
+    requests = io.BytesIO(b"".join(_FRAME.pack(len(b)) + b for b in (orjson.dumps(d) for d in batches)))
+    answers = io.BytesIO()
+    serve(str(path), 5.0, requests, answers)
+    answers.seek(0)
+    replies = []
+    while head := answers.read(_FRAME.size):
+        replies.append(orjson.loads(answers.read(_FRAME.unpack(head)[0])))
+    assert [r.get("error") for r in replies] == [None, "database", None, None], replies

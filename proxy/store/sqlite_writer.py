@@ -415,6 +415,9 @@ def serve(path: str, timeout: float, requests: BinaryIO, answers: BinaryIO, expe
             if statements is not None:
                 statements.close()
                 statements = None
+                # Closing the last connection lets SQLite checkpoint and delete the -wal and -shm
+                # itself: the next connection's files are looked at anew.
+                sides.clear()
         out = orjson.dumps(answer)
         answers.write(_FRAME.pack(len(out)) + out)
         answers.flush()
