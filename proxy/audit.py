@@ -61,7 +61,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import inspect, select
+from sqlalchemy import LargeBinary, String, cast, inspect, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -264,10 +264,11 @@ class _Chain:
             if found is not None and n >= found.writer_seq:  # type: ignore[operator]
                 break  # past the first break nothing can be judged
             if n > self.last:
+                reached = max(int(m["writer_seq"]) for m in marks)  # the newest says the most
                 return self._break(
                     Damage.DELETED, self.last + 1, None,
-                    f"a checkpoint records that this chain reached writer_seq {n}, but it ends at "
-                    f"{self.last}: at least its last {n - self.last} event(s) were removed",
+                    f"a checkpoint records that this chain reached writer_seq {reached}, but it ends at "
+                    f"{self.last}: at least its last {reached - self.last} event(s) were removed",
                 )
             if self.verified.get(n) != mark["hash"]:
                 row = self.by_ws[n][0]
@@ -414,10 +415,32 @@ async def _read(url: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             if "chain_checkpoints" in tables:
                 query = select(chain_checkpoints).order_by(chain_checkpoints.c.writer, chain_checkpoints.c.writer_seq)
                 marks = [dict(r) for r in (await conn.execute(query)).mappings()]
-            rows = [dict(r) for r in (await conn.execute(select(events).order_by(events.c.writer, events.c.writer_seq))).mappings()]
+            raw = conn.dialect.name == "sqlite"
+            query = select(*_as_stored(events, raw)).order_by(events.c.writer, events.c.writer_seq)
+            rows = [_decoded(dict(r), raw) for r in (await conn.execute(query)).mappings()]
     finally:
         await engine.dispose()
     return rows, marks
+
+
+def _as_stored(table: Any, raw: bool) -> list[Any]:
+    """The table's columns, on SQLite each text or binary one as the bytes it holds: SQLite lets
+    a forger store any column as TEXT that is not UTF-8, which reading as text would fail on (a
+    journal that "could not be read") rather than show as the damage it is."""
+    if not raw:
+        return list(table.c)
+    return [cast(c, LargeBinary).label(c.name) if isinstance(c.type, (String, LargeBinary)) else c for c in table.c]
+
+
+def _decoded(row: dict[str, Any], raw: bool) -> dict[str, Any]:
+    """Text columns read as bytes (see :func:`_as_stored`) back as text; bytes that are not UTF-8
+    are replaced, so the row no longer hashes as it was written, and the walk finds it."""
+    if raw:
+        for column in events.c:
+            value = row.get(column.name)
+            if isinstance(column.type, String) and isinstance(value, (bytes, memoryview)):
+                row[column.name] = bytes(value).decode("utf-8", "replace")
+    return row
 
 
 def verify_database(url: str, extra_checkpoints: Iterable[Row] = ()) -> AuditResult:

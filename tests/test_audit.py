@@ -189,6 +189,16 @@ def test_a_modified_payload_is_found_at_its_position(journal):
     assert "content" in first.detail
 
 
+def test_a_payload_rewritten_as_text_that_is_not_utf8_is_a_break_not_an_unreadable_journal(journal):
+    """SQLite lets a forger store the payload as TEXT that is not UTF-8 (``x'ff' || payload``):
+    reading it as text fails. That is damage at a position (exit 1), not a journal that could not
+    be read (exit 2, which a script may take for "try again later")."""
+    ws, inv, seq, _ = middle(journal)
+    forged = ("CAST(x'ff' || payload AS TEXT)" if dialect(journal) == "sqlite" else "'\\xff'::bytea || payload")
+    tamper(journal, f"UPDATE events SET payload = {forged} WHERE writer = 'w1' AND writer_seq = {ws}")
+    assert_first_break(audit.verify_database(journal), Damage.MODIFIED, "w1", ws, inv, seq)
+
+
 def test_a_modified_kind_is_found_at_its_position(journal):
     ws, inv, seq, _ = middle(journal)
     tamper(journal, f"UPDATE events SET kind = 'RECONCILED' WHERE writer = 'w1' AND writer_seq = {ws}")
@@ -214,6 +224,16 @@ def test_a_deleted_tail_row_is_caught_by_a_checkpoint(journal):
     first = assert_first_break(audit.verify(stored, marks), Damage.DELETED, "w1", last_ws, None, None)
     assert f"reached writer_seq {last_ws}" in first.detail
     assert "at least its last 1 event(s) were removed" in first.detail, "only what the checkpoint proves"
+
+
+def test_a_cut_tail_is_measured_from_the_newest_checkpoint(journal):
+    """Several checkpoints past the cut: the loss is at least what the newest one proves."""
+    rows = chain(journal)
+    for ws, _, _, h in (rows[4], rows[9], rows[-1]):
+        add_checkpoint(journal, "w1", ws, h)
+    tamper(journal, f"DELETE FROM events WHERE writer = 'w1' AND writer_seq > {rows[2][0]}")
+    first = assert_first_break(audit.verify_database(journal), Damage.DELETED, "w1", rows[2][0] + 1, None, None)
+    assert f"reached writer_seq {rows[-1][0]}, but it ends at {rows[2][0]}" in first.detail, first.detail
 
 
 def test_a_forged_row_inserted_with_a_correct_hash_is_found(journal):
