@@ -95,6 +95,7 @@ async def _store(engine: AsyncEngine, ring: KeyRing, name: str, value: str, *, m
                 if current is None and must_exist:
                     raise nothing_to_rotate(name)
                 version = (current or 0) + 1
+                await _check_encrypting_key(conn, ring)
                 key_id, blob = ring.encrypt(value.encode(), vault_aad(name, version))
                 await conn.execute(
                     insert(vault_secrets).values(
@@ -105,6 +106,31 @@ async def _store(engine: AsyncEngine, ring: KeyRing, name: str, value: str, *, m
         except IntegrityError:
             continue  # another writer took this version number first; read the new maximum
     raise RuntimeError(f"secret '{name}': {_PUT_ATTEMPTS} concurrent writers raced for the next version; try again")
+
+
+class KeyMismatch(ValueError):
+    """The key configured under an id is not the one the vault's rows under that id were encrypted
+    with (another key file behind the same id)."""
+
+
+async def _check_encrypting_key(conn: Any, ring: KeyRing) -> None:
+    """The key new versions would be encrypted with opens a row already stored under its id: with
+    another key file behind the same id, a new version would be written that the brokers (which
+    have the right file) cannot read, while `secrets list` looked healthy."""
+    key_id = ring.encrypting_key_id
+    v = vault_secrets.c
+    row = (await conn.execute(select(vault_secrets).where(v.key_id == key_id).order_by(v.version.desc()).limit(1))
+           ).mappings().first()
+    if row is None:
+        return  # nothing under this id yet: nothing to compare with
+    try:
+        ring.decrypt(row["key_id"], row["ciphertext"], vault_aad(row["name"], row["version"]))
+    except AuthenticationFailed:
+        raise KeyMismatch(
+            f"the [crypto] key '{key_id}' configured here does not open the vault's '{row['name']}' "
+            f"{label(row['version'])}, stored under that same id: this is another key file than the one it was "
+            f"encrypted with, and what it stored no broker with the right file could read. Configure the key file "
+            f"the brokers use for '{key_id}'") from None
 
 
 async def latest_version(engine: AsyncEngine, name: str) -> str | None:

@@ -141,6 +141,26 @@ def test_the_wrong_key_or_a_removed_key_is_a_decrypt_failure_that_never_shows_th
         assert value not in error.message and "v1" in error.message
 
 
+@pytest.mark.parametrize("verb", ["put", "rotate"])
+def test_a_secret_is_not_stored_under_an_id_whose_key_file_is_another(db, verb):
+    """Another key file behind the same id (a copied config, a regenerated file): what it stored no
+    broker with the right file could read, and every credentialed route would refuse, while the
+    command said "stored" and `secrets list` looked healthy. Refused, naming the id; nothing stored."""
+    material = os.urandom(32)
+
+    async def scenario(engine):
+        await vault.put(engine, ring(material), "payments-key", canary())
+        with pytest.raises(vault.KeyMismatch) as caught:
+            await getattr(vault, verb)(engine, ring(os.urandom(32)), "payments-key" if verb == "rotate" else "other",
+                                       canary())
+        await vault.put(engine, ring(material), "payments-key", canary())  # the right file still stores
+        return caught.value, await vault.latest_version(engine, "payments-key"), await vault.latest_version(engine, "other")
+
+    error, latest, other = with_engine(db, scenario)
+    assert "'k1'" in str(error) and "another key file" in str(error) and "payments-key" in str(error)
+    assert (latest, other) == ("v2", None), "nothing was stored by the mismatched key"
+
+
 def test_a_ciphertext_copied_onto_another_secret_does_not_decrypt(db):
     keys = ring()
 
