@@ -30,7 +30,7 @@ from . import VERSION, metrics
 from . import decisions
 from .broker import CODE_HEADER, INVOCATION_HEADER, OUTCOME_HEADER, REPLAYED_HEADER, Broker, LookupUnavailable, note_replay, shown
 from .store.journal import Journal, brief
-from .contract import Code, Outcome, Phase, Retry, Stage
+from .contract import Code, Outcome, Phase, Retry, Stage, project
 from .crypto import DecryptError
 from .envelope import MEDIA_TYPE, envelope
 from .invocation_view import describe, iso
@@ -498,6 +498,11 @@ def create_app(
         outcome, certainty, reference, note = body.outcome, body.certainty, body.reference, body.note
         lookup = None
         if body.lookup:
+            _, events = await queries.events_of(engine, invocation_id, journal.decode_payload)
+            try:  # a record no finding may follow is refused before the remote is asked anything
+                decisions.refuse_unreconcilable(row, project(events))
+            except decisions.DecisionRefused as exc:
+                raise ApiError(exc.status, "Refused", exc.message) from None
             if broker is None:
                 raise ApiError(503, "Unavailable", "This process cannot perform lookups.")
             try:

@@ -71,6 +71,24 @@ async def decide_approval(journal: Journal, row: dict[str, Any], approve: bool, 
     return await _append(journal, row, EventKind.APPROVAL_DENIED, {"by": by, "note": note})
 
 
+def refuse_unreconcilable(row: dict[str, Any], record: Record) -> None:
+    """Raise if no finding may follow ``record`` at all, whatever it says: it was never sent, or
+    it is still in progress. (Checked before a lookup is even tried.)"""
+    if record.stage is Stage.ENDED_NOT_ATTEMPTED:
+        raise DecisionRefused(
+            409,
+            f"invocation {row['invocation_id']} was never sent: it stopped before the dispatch boundary "
+            f"(outcome not_attempted, code {record.code.value if record.code else '-'}), so it had no remote "
+            "effect and there is nothing to reconcile. Nothing was changed.",
+        )
+    if record.stage not in TRANSITIONS[EventKind.RECONCILED][0]:  # the other stages a finding may not follow
+        raise DecisionRefused(
+            409,
+            f"invocation {row['invocation_id']} is still in progress (stage {record.stage.value}). Nothing was "
+            "changed. Reconcile it once it has ended (GET /v1/invocations/{id}).",
+        )
+
+
 async def reconcile(
     journal: Journal,
     row: dict[str, Any],
@@ -92,19 +110,7 @@ async def reconcile(
         data["override"] = True
 
     def against_the_answer(record: Record) -> None:
-        if record.stage is Stage.ENDED_NOT_ATTEMPTED:
-            raise DecisionRefused(
-                409,
-                f"invocation {row['invocation_id']} was never sent: it stopped before the dispatch boundary "
-                f"(outcome not_attempted, code {record.code.value if record.code else '-'}), so it had no remote "
-                "effect and there is nothing to reconcile. Nothing was changed.",
-            )
-        if record.stage not in TRANSITIONS[EventKind.RECONCILED][0]:  # the other stages a finding may not follow
-            raise DecisionRefused(
-                409,
-                f"invocation {row['invocation_id']} is still in progress (stage {record.stage.value}). Nothing was "
-                "changed. Reconcile it once it has ended (GET /v1/invocations/{id}).",
-            )
+        refuse_unreconcilable(row, record)
         overturned = contradicted_answer(record, outcome)
         if overturned is not None and not override:
             if record.reconciled_outcome is None:

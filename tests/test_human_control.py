@@ -117,6 +117,10 @@ def test_a_reconciliation_cannot_claim_not_attempted_or_touch_an_undispatched_re
         assert early.status_code == 409, early.text
         assert "was never sent" in early.json()["detail"] and "nothing to reconcile" in early.json()["detail"], early.text
         assert "INVALID_TARGET" in early.json()["detail"]
+        # Asked to look it up instead: the same refusal, not "the route declares no lookup" (it has
+        # none: no route matched), which would send an operator off to configure one for nothing.
+        looked = api.post(f"/v1/invocations/{refused}/reconcile", json={"lookup": True})
+        assert looked.status_code == 409 and "was never sent" in looked.json()["detail"], looked.text
     with broker.api() as agent_api:
         assert agent_api.post(f"/v1/invocations/{unknown}/reconcile", json={"outcome": "committed"}).status_code == 403
     assert broker.invocation(unknown)["outcome"] == "unknown"
