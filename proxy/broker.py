@@ -1286,7 +1286,12 @@ class Broker:
                     return  # nothing of it was ever durable
                 _, events = await queries.events_of(self.journal.engine, invocation_id, self.journal.decode_payload)
                 record = project(events)
-                if record.ended or record.stage is Stage.HELD:
+                if record.ended:
+                    # A re-send refused so ends with the earlier attempt's end on the record; its
+                    # lease would keep repeats at IDEMPOTENCY_IN_PROGRESS until it ran out.
+                    await leases.release_lease(self.journal.engine, invocation_id, row["generation"], self.owner)
+                    return
+                if record.stage is Stage.HELD:
                     return
                 entry = InvocationLog(self.journal, identity_of(row), self.owner, record=record, persisted=True,
                                       generation=row["generation"])

@@ -68,6 +68,19 @@ async def renew_lease(
         return (await conn.execute(statement)).rowcount == 1
 
 
+async def release_lease(engine: AsyncEngine, invocation_id: str, generation: int, owner: str) -> bool:
+    """Give up ``owner``'s lease of ``generation`` (an attempt that ended without dispatching and
+    could not write so): a repeat may take the invocation at once. Nothing if it moved on."""
+    statement = (
+        update(invocations)
+        .where(and_(c.invocation_id == invocation_id, c.generation == generation, c.owner == owner,
+                    c.lease_expires_at.is_not(None)))
+        .values(lease_expires_at=None)
+    )
+    async with engine.begin() as conn:
+        return (await conn.execute(statement)).rowcount == 1
+
+
 class ReplayTally:
     """``invocations.replays``, counted in memory and added in batches: one transaction per
     ``interval`` for all the replays served meanwhile, not one per replay (at one request at a
