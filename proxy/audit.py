@@ -61,14 +61,14 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import LargeBinary, String, cast, inspect, select
+from sqlalchemy import LargeBinary, String, cast, func, inspect, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from .store.journal import GENESIS, brief, canonical_time, chain_hash
 from .store.migrate import connect_args
-from .store.schema import events
+from .store.schema import events, invocations as invocations_table
 from .store.vault_schema import (
     CHECKPOINT_EVERY_EVENTS,
     CHECKPOINT_EVERY_SECONDS,
@@ -444,9 +444,31 @@ def _decoded(row: dict[str, Any], raw: bool) -> dict[str, Any]:
 
 
 def verify_database(url: str, extra_checkpoints: Iterable[Row] = ()) -> AuditResult:
-    """Verify a live journal. Synchronous (call it outside an event loop); reads no key."""
+    """Verify a live journal. Synchronous (call it outside an event loop); reads no key.
+
+    A journal with no events at all verifies trivially; if it still holds invocations, their
+    events were removed (every invocation's record starts with an event), and that is a break."""
     rows, marks = asyncio.run(load_database(url))
-    return verify(rows, [*marks, *extra_checkpoints])
+    result = verify(rows, [*marks, *extra_checkpoints])
+    if not rows and result.ok and (orphans := asyncio.run(_count_invocations(url))):
+        result.breaks.append(Break(
+            Damage.DELETED, None, None, None, None,
+            f"the journal holds {orphans} invocation(s) but no events at all: every record starts with an event, so "
+            "their events were removed (and the chains' checkpoints with them, or a checkpoint would say so too)"))
+    return result
+
+
+async def _count_invocations(url: str) -> int:
+    engine = create_async_engine(url, connect_args=connect_args(url))
+    try:
+        async with engine.connect() as conn:
+            if "invocations" not in await conn.run_sync(lambda c: set(inspect(c).get_table_names())):
+                return 0
+            return int((await conn.execute(select(func.count()).select_from(invocations_table))).scalar() or 0)
+    except (SQLAlchemyError, OSError) as exc:
+        raise AuditInputError(f"the journal's invocations could not be counted ({brief(exc)})") from None
+    finally:
+        await engine.dispose()
 
 
 def verify_dump(path: Path, extra_checkpoints: Iterable[Row] = ()) -> AuditResult:

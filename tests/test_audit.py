@@ -236,6 +236,17 @@ def test_a_cut_tail_is_measured_from_the_newest_checkpoint(journal):
     assert f"reached writer_seq {rows[-1][0]}, but it ends at {rows[2][0]}" in first.detail, first.detail
 
 
+def test_every_event_and_checkpoint_removed_while_invocations_remain_is_a_break(journal):
+    """Emptying events and chain_checkpoints leaves chains with nothing to check; but every
+    invocation's record starts with an event, so invocations without any are proof of removal."""
+    tamper(journal, "DELETE FROM events", "DELETE FROM chain_checkpoints", tables=("events", "chain_checkpoints"))
+    result = audit.verify_database(journal)
+    assert not result.ok and result.first.kind is Damage.DELETED, result
+    assert "invocation(s) but no events at all" in result.first.detail
+    tamper(journal, "DELETE FROM invocations", tables=())  # a journal truly empty: nothing to say
+    assert audit.verify_database(journal).ok
+
+
 def test_a_forged_row_inserted_with_a_correct_hash_is_found(journal):
     """The careful attacker: a well-formed row linked in at position k, later rows moved up by one."""
     ws, _, _, _ = middle(journal)
