@@ -239,10 +239,14 @@ async def serve(
     )
     api.install_signal_handlers = lambda: None  # type: ignore[method-assign]
 
+    def stop() -> None:
+        broker.stopping = True  # before mitmproxy cuts the agents' connections: not their leaving
+        master.shutdown()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            loop.add_signal_handler(sig, master.shutdown)
+            loop.add_signal_handler(sig, stop)
         except NotImplementedError:  # pragma: no cover - non-Unix
             pass
 
@@ -284,7 +288,7 @@ async def serve(
     finally:
         if orphan_watch is not None:
             orphan_watch.cancel()
-        master.shutdown()
+        stop()
         api.should_exit = True
         await asyncio.gather(master_task, api_task, return_exceptions=True)
         await recovery.close()

@@ -532,6 +532,8 @@ class Broker:
         self._handling: set[asyncio.Task[Any]] = set()  # requests being handled right now
         self._behind: set[asyncio.Task[Any]] = set()  # write-behind resends (_resend_behind)
         self._closing = False
+        #: The broker is stopping (a signal): connections it cuts are not their callers leaving.
+        self.stopping = False
         #: Whether an owner named as this broker's earlier incarnation is dead (recovery's view:
         #: not once it has seen that owner's heartbeat move, a live twin).
         self.earlier_incarnation_dead: Callable[[str], bool] = lambda owner: True
@@ -1080,6 +1082,13 @@ class Broker:
                     entry, Code.APPROVAL_DENIED, Phase.CREDENTIAL_INJECTION, Outcome.NOT_ATTEMPTED, Retry.AFTER_CORRECTION,
                     "An operator denied this request. Nothing was sent and no secret was touched.",
                 )
+            if req.caller_gone.is_set() and self.stopping:
+                # This broker cut the connection: the request stays held, for the agent's repeat
+                # to a broker that runs (held approvals survive restarts), not ended as the
+                # caller's leaving.
+                log.info("invocation %s: the broker stops while it is held for approval; it stays held",
+                         entry.invocation_id)
+                return Reply(499, [], b"", entry.invocation_id)
             if req.caller_gone.is_set():
                 entry.append(EventKind.CALLER_CANCELLED, disposition=req.left_as.value)
                 entry.append(EventKind.FAILED, phase=Phase.VALIDATION, code=Code.CALLER_CANCELLED)

@@ -483,6 +483,30 @@ def held_then_restarted(make_broker, upstream, body: bytes, **recovery: str) -> 
     return broker, key, card
 
 
+def test_a_clean_stop_leaves_a_held_request_held_and_does_not_log_it_ended(make_broker, upstream):
+    """SIGTERM while a request waits for approval: the broker cuts the agent's connection, which is
+    not the agent leaving. The request stays held (as across a crash), and no "invocation ended"
+    line claims an end the journal does not have."""
+    broker = make_broker("sqlite", routes=control_routes(upstream))
+    key = "deploy_" + secrets.token_hex(6)
+    Held(broker, b'{"deploy":"v49"}', key=key, timeout=5)
+    card = wait_for_card(broker)
+    broker.stop()
+    ended = [e for e in broker.log_entries()
+             if e.get("msg") == "invocation ended" and e.get("invocation_id") == card["invocation_id"]]
+    assert ended == [], ended
+    broker.start()
+    record = broker.invocation(card["invocation_id"])
+    assert (record["stage"], record["caller_disposition"]) == ("held", "waiting"), record
+    assert [c["invocation_id"] for c in wait_for_card_list(broker)] == [card["invocation_id"]]
+    assert sent(upstream) == []
+
+
+def wait_for_card_list(broker: BrokerProcess) -> list[dict[str, Any]]:
+    with broker.operator() as api:
+        return api.get("/v1/approvals").json()["items"]
+
+
 def test_a_held_request_survives_a_restart(make_broker, upstream):
     broker, key, card = held_then_restarted(make_broker, upstream, b'{"deploy":"v47"}', stale_after="2s")
     assert wait_for_card(broker)["invocation_id"] == card["invocation_id"], "the restart did not forget it"
