@@ -337,19 +337,24 @@ class _Exchange:
         if nobody took the invocation meanwhile; one that another broker took stays lost, and the
         fence refuses the write."""
         entry = self.entry
-        now = utcnow()
-        if entry.generation > 0 and entry.lease_expires_at is not None and entry.lease_expires_at <= now + LEASE_MARGIN:
-            until = now + timedelta(seconds=self.broker.settings.proxy.retry_lease)
-            try:
-                renewed = await leases.renew_lease(
-                    self.broker.journal.engine, entry.invocation_id, entry.generation, entry.owner, now, until)
-            except queries.DATABASE_ERRORS:
-                renewed = False  # the commit below meets the same outage
-            if renewed:
-                entry.lease_expires_at = until
-                log.info("invocation %s: this broker's lease was running out before dispatch and nobody had "
-                         "taken it; renewed", entry.invocation_id)
+        if entry.generation > 0 and entry.lease_expires_at is not None:  # a re-send's: a first attempt has none
+            await self._renew_a_lease_running_out(entry, entry.lease_expires_at)
         await entry.commit(fence=entry.fence(check_expiry=True))
+
+    async def _renew_a_lease_running_out(self, entry: InvocationLog, expires: datetime) -> None:
+        now = utcnow()
+        if expires > now + LEASE_MARGIN:
+            return
+        until = now + timedelta(seconds=self.broker.settings.proxy.retry_lease)
+        try:
+            renewed = await leases.renew_lease(
+                self.broker.journal.engine, entry.invocation_id, entry.generation, entry.owner, now, until)
+        except queries.DATABASE_ERRORS:
+            renewed = False  # the commit after it meets the same outage
+        if renewed:
+            entry.lease_expires_at = until
+            log.info("invocation %s: this broker's lease was running out before dispatch and nobody had taken it; "
+                     "renewed", entry.invocation_id)
 
     async def request_sent(self) -> None:
         self.request_written = True
@@ -1191,12 +1196,13 @@ class Broker:
         except Exception:  # pragma: no cover - the exchange task itself never raises
             log.exception("exchange %s crashed", entry.invocation_id)
             return
-        if settled is not None and settled.refused is not None and settled.refused.code is Code.JOURNAL_UNAVAILABLE:
+        refused = settled.refused.code if settled is not None and settled.refused is not None else None
+        if refused is Code.JOURNAL_UNAVAILABLE:
             # Its DISPATCH_STARTED write failed and may have landed: as for a caller still waiting
             # (:meth:`_answer`), the record is closed once the journal answers, by what it holds.
             self._spawn(self._close_when_journal_returns(entry.invocation_id, answered=False))
             return
-        if settled is not None and settled.refused is not None and settled.refused.code is Code.LEASE_LOST:
+        if refused is Code.LEASE_LOST:
             return  # another broker owns the record now: this one can write nothing to it (see _lease_lost)
         if settled is None:
             task.cancel()
@@ -1693,17 +1699,18 @@ def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
     if len(set(k.strip() for k in keys)) > 1:
         return (f"The request has {len(keys)} different {idempotency_header} headers. Nothing was sent. Send one key: "
                 "it names one operation.")
-    if keys and not all(" " <= c <= "~" for c in keys[0].strip()):
+    key = keys[0].strip() if keys else None
+    if key is not None and not all(" " <= c <= "~" for c in key):
         return (f"The {idempotency_header} header holds characters other than visible ASCII (or bytes that are not "
                 "text). Nothing was sent. Use a key of letters, digits and punctuation, such as a UUID.")
-    if keys and not keys[0].strip():
+    if key == "":
         return (f"The {idempotency_header} header is empty. Nothing was sent. Send a key that names the operation "
                 "(a UUID, say), or no header at all.")
-    if keys and len(keys[0].strip()) > MAX_KEY_LENGTH:
+    if key is not None and len(key) > MAX_KEY_LENGTH:
         # Cut to the length stored, two different keys would name one operation: the second would
         # be answered with the first one's result as if it were its own.
-        return (f"The {idempotency_header} header is {len(keys[0].strip())} characters long; the broker keeps keys "
-                f"of at most {MAX_KEY_LENGTH}. Nothing was sent. Use a shorter key (a UUID is 36).")
+        return (f"The {idempotency_header} header is {len(key)} characters long; the broker keeps keys of at most "
+                f"{MAX_KEY_LENGTH}. Nothing was sent. Use a shorter key (a UUID is 36).")
     return None
 
 

@@ -491,7 +491,7 @@ class Journal:
             return
         if not self.healthy:
             log.warning("journal writes work again (%d failed batch(es) so far); requests are served", self.errors)
-            self._failure_logged_at, self._failures_unlogged = -FAILURE_LOG_EVERY, 0
+            self._failures_unlogged = 0  # the next outage's first failure is logged whole anyway
         self.healthy = True
         self.batches += 1
         for w in live:

@@ -56,26 +56,25 @@ async def renew_lease(
     engine: AsyncEngine, invocation_id: str, generation: int, owner: str, now: datetime, until: datetime
 ) -> bool:
     """Extend ``owner``'s own lease that lapsed before it dispatched (an approval that took longer
-    than the lease, say), if nobody took the invocation since: same generation, same owner, still
-    leased. A lapsed lease another broker took has a new generation, and is not renewed."""
-    statement = (
-        update(invocations)
-        .where(and_(c.invocation_id == invocation_id, c.generation == generation, c.owner == owner,
-                    c.lease_expires_at.is_not(None)))
-        .values(lease_expires_at=until, updated_at=now)
-    )
-    async with engine.begin() as conn:
-        return (await conn.execute(statement)).rowcount == 1
+    than the lease, say), if nobody took the invocation since. A lapsed lease another broker took
+    has a new generation, and is not renewed."""
+    return await _own_lease(engine, invocation_id, generation, owner, lease_expires_at=until, updated_at=now)
 
 
 async def release_lease(engine: AsyncEngine, invocation_id: str, generation: int, owner: str) -> bool:
     """Give up ``owner``'s lease of ``generation`` (an attempt that ended without dispatching and
     could not write so): a repeat may take the invocation at once. Nothing if it moved on."""
+    return await _own_lease(engine, invocation_id, generation, owner, lease_expires_at=None)
+
+
+async def _own_lease(engine: AsyncEngine, invocation_id: str, generation: int, owner: str, **values: Any) -> bool:
+    """Set ``values`` on the invocation if ``owner`` still holds its lease of ``generation``
+    (same generation, same owner, still leased), in one statement."""
     statement = (
         update(invocations)
         .where(and_(c.invocation_id == invocation_id, c.generation == generation, c.owner == owner,
                     c.lease_expires_at.is_not(None)))
-        .values(lease_expires_at=None)
+        .values(**values)
     )
     async with engine.begin() as conn:
         return (await conn.execute(statement)).rowcount == 1
