@@ -1482,7 +1482,7 @@ class Broker:
                 return
             except LeaseLost:
                 return
-            except (JournalUnavailable, *queries.DATABASE_ERRORS):  # resubmit reads, too
+            except JournalUnavailable:
                 pause = min(pause * 2, 30.0)
         log.warning("invocation %s: what became of its delivery could not be recorded within result_horizon (the "
                     "journal did not take the write); its record says the caller still waits until recovery closes "

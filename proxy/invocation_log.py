@@ -20,7 +20,7 @@ from ulid import ULID
 
 from . import metrics
 from .contract import Event, EventKind, Operation, Record, Retry, apply, retry_hint
-from .store.journal import EventRow, Fence, Journal, JournalUnavailable, LeaseLost, Write, projection_row
+from .store.journal import EventRow, Fence, Journal, JournalUnavailable, LeaseLost, Write, brief, projection_row
 
 log = logging.getLogger("affidavit.invocations")
 
@@ -355,10 +355,16 @@ class InvocationLog:
             self._unconfirmed.remove(write)
 
     async def _stored(self, write: Write) -> bool:
-        """Whether the database holds ``write``'s events as they are (its commit had landed)."""
+        """Whether the database holds ``write``'s events as they are (its commit had landed).
+        A read that fails is :class:`JournalUnavailable`, as :meth:`resubmit` promises its callers
+        (the delivery repair tries again on it; any other error would end the repair for good)."""
         from .store import queries  # imported here: queries imports the journal module this one uses
 
-        rows = {r["seq"]: r for r in await queries.event_rows(self.journal.engine, self.invocation_id)}
+        try:
+            stored = await queries.event_rows(self.journal.engine, self.invocation_id)
+        except queries.DATABASE_ERRORS as exc:
+            raise JournalUnavailable(f"could not read back whether an earlier write had landed: {brief(exc)}") from exc
+        rows = {r["seq"]: r for r in stored}
         return all(
             e.seq in rows and rows[e.seq]["kind"] == e.kind and bytes(rows[e.seq]["payload"]) == e.payload
             for e in write.events

@@ -606,6 +606,41 @@ def test_a_repaired_result_whose_hand_over_is_never_confirmed_ends_as_not_delive
     assert asyncio.run(scenario()) == "delivery_failed"
 
 
+def test_a_repair_whose_read_back_of_a_landed_write_fails_tries_again_and_records_the_result(db, monkeypatch):
+    """The result's write had landed unconfirmed; re-sent, it is refused as a conflict and the
+    repair reads back whether the rows are its own. When that read fails (the database away
+    again), the repair waits and tries again, as for a refused write, instead of dying with the
+    read's error and leaving the record 'dispatched' until a restart."""
+    real = queries.event_rows
+    failed: list[bool] = []
+
+    async def event_rows(engine, invocation_id):
+        if not failed:
+            failed.append(True)
+            raise ConnectionRefusedError(111, "Connect call failed (injected)")
+        return await real(engine, invocation_id)
+
+    async def scenario() -> str:
+        journal = Journal(make_engine(db), writer="w1")
+        await journal.start()
+        try:
+            broker = _in_process_broker(db, monkeypatch, journal)
+            entry = await _dispatched_then_refused(journal, land=True)
+            entry.append(EventKind.RESULT_COMMITTED)
+            monkeypatch.setattr(queries, "event_rows", event_rows)
+            handed: asyncio.Future = asyncio.get_running_loop().create_future()
+            handed.set_result(None)  # the caller had the whole answer
+            await asyncio.wait_for(broker._repair(entry, 201, handed), 20)
+            _, stored = await queries.events_of(journal.engine, entry.invocation_id, journal.decode_payload)
+            return project(stored).stage.value
+        finally:
+            await journal.close()
+            await journal.engine.dispose()
+
+    assert asyncio.run(scenario()) == "delivered"
+    assert failed == [True], "the read back failed once, as injected"
+
+
 def _in_process_broker(db: str, monkeypatch, journal: Journal):
     from proxy.broker import Broker
     from proxy.config import Settings
