@@ -1445,6 +1445,12 @@ class Broker:
         return reply
 
     def _delivered(self, entry: InvocationLog) -> None:
+        # Whether the answer left is known now (the adapter looked); its record is nobody's wait,
+        # so it is made while the journal next waits on the database, not while the agent's next
+        # request would wait behind it.
+        self.journal.defer(self._record_delivered, entry)
+
+    def _record_delivered(self, entry: InvocationLog) -> None:
         if entry.broken:
             return
         entry.append(EventKind.RESULT_DELIVERED, channel="proxy")

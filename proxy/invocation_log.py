@@ -164,17 +164,18 @@ class InvocationLog:
     def _log_end(self) -> None:
         """One structured line per ended attempt: what happened, never anything secret.
 
-        The end is usually appended just before a commit the caller waits for. Inside the event
-        loop the line is written two turns later: the next turn is when the journal writer sends
-        that commit, so the line is written while the database works, not while the caller waits.
+        The end is usually appended just before a commit the caller waits for, or after a
+        delivery nobody waits for. Inside the event loop the line is written once the journal
+        writer has sent its next batch (:meth:`Journal.defer`), while the database works, not
+        while a caller waits.
         """
         record, now = self.record, time.monotonic()
         try:
-            loop = asyncio.get_running_loop()
+            asyncio.get_running_loop()
         except RuntimeError:
             self._emit_end(record, now)
         else:
-            loop.call_soon(loop.call_soon, self._emit_end, record, now)
+            self.journal.defer(self._emit_end, record, now)
 
     def _emit_end(self, record: Record, now: float) -> None:
         identity = self.identity

@@ -144,6 +144,63 @@ def test_a_lazy_write_does_not_wake_the_writer_and_goes_after_its_linger_or_with
     asyncio.run(scenario())
 
 
+def test_deferred_work_runs_while_the_writer_waits_on_the_database(db):
+    """Work nobody waits for (a delivery record, the end-of-invocation log line) runs once the
+    next batch is on its way to the database, before that batch's answer; with no batch going
+    out it runs within ``defer_at_most``. One failing piece of work keeps no other from running."""
+    async def scenario():
+        engine = make_engine(db)
+        journal = Journal(engine, writer="w1", defer_at_most=30.0)
+        await journal.start()
+        await asyncio.sleep(0)
+        entry = _accepted(journal)
+        seen: list[str] = []
+        journal.defer(seen.append, "before the batch")
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert seen == [], "deferred work ran although no batch went out and its time was not up"
+
+        commit = entry.submit()
+        answered_when_run: list[bool] = []
+        journal.defer(lambda: answered_when_run.append(commit.done()))
+        journal.defer(lambda: 1 / 0)
+        journal.defer(seen.append, "after a failure")
+        await asyncio.wait_for(commit, 10)
+        assert seen == ["before the batch", "after a failure"]
+        assert answered_when_run == [False], "it ran while the database worked on the batch"
+
+        journal.defer_at_most = 0.05
+        started = time.monotonic()
+        ran = asyncio.get_running_loop().create_future()
+        journal.defer(ran.set_result, None)
+        await asyncio.wait_for(ran, 5)
+        assert time.monotonic() - started < 2.0
+        await journal.close()
+        await engine.dispose()
+
+    asyncio.run(scenario())
+
+
+def test_closing_the_journal_first_runs_deferred_work_and_writes_what_it_submits(db):
+    """A delivery record deferred just before a stop is still made: close runs the deferred work,
+    then writes what it submitted."""
+    async def scenario():
+        engine = make_engine(db)
+        journal = Journal(engine, writer="w1", defer_at_most=30.0)
+        await journal.start()
+        entry = _accepted(journal)
+        await entry.commit()
+        entry.append(EventKind.PREFLIGHT_VALIDATED, route="payments.create")
+        journal.defer(entry.submit_quietly)
+        await journal.close()
+        async with engine.connect() as conn:
+            kinds = (await conn.execute(select(events.c.kind).order_by(events.c.seq))).scalars().all()
+        await engine.dispose()
+        return kinds
+
+    assert asyncio.run(scenario()) == ["ACTION_ACCEPTED", "PREFLIGHT_VALIDATED"]
+
+
 def test_closing_the_journal_answers_every_write_it_was_given(db):
     """Writes that arrive while the journal closes (a late delivery record, a background repair)
     are written or refused, never left waiting for ever."""

@@ -52,6 +52,8 @@ GENESIS = "0" * 64
 
 #: Seconds between the log lines of one outage's failed batches (the first is logged at once).
 FAILURE_LOG_EVERY = 10.0
+#: Work handed to :meth:`Journal.defer` runs at the latest this long after it was handed over.
+DEFER_AT_MOST = 0.005
 
 class JournalUnavailable(Exception):
     """The journal could not make the rows durable (database down, read-only, too slow)."""
@@ -201,9 +203,14 @@ class Journal:
         timeout: float = 5.0,
         max_batch: int = 512,
         linger: float = 0.05,
+        defer_at_most: float = DEFER_AT_MOST,
     ):
         self.engine = engine
         self.linger = linger
+        #: Work nobody waits for (:meth:`defer`), and the timer that runs it if no batch goes out.
+        self._deferred: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+        self._deferred_timer: asyncio.TimerHandle | None = None
+        self.defer_at_most = defer_at_most
         #: Replays served (a statistic, written in batches beside the journal).
         self.replays = ReplayTally(engine)
         #: How payloads and results are stored (encrypted when the key ring has keys) and read back.
@@ -293,6 +300,7 @@ class Journal:
             # From here on new writes are refused; everything accepted before is written (or
             # fails as a batch fails) by the flushes, and whatever is still unanswered after the
             # writer stopped is refused, so no caller waits for ever.
+            self._run_deferred()  # a delivery record among them is a write still to be made
             self._closing = True
             await self.flush()
             if self._writer_seq > self._checkpoint_seq:
@@ -353,6 +361,29 @@ class Journal:
             self._wake()
         return write.future
 
+    def defer(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` in the turn after the writer next sends a batch, or within
+        ``defer_at_most`` seconds if none goes out: work nobody waits for (a delivery record, the
+        end-of-invocation log line), done while the loop would otherwise sit idle until the
+        database answers. Before, such work ran in the turns after a response was written, and
+        at concurrency 1 those turns were usually spent on the agent's next request, which
+        waited for them."""
+        self._deferred.append((fn, args))
+        if self._deferred_timer is None:
+            self._deferred_timer = asyncio.get_running_loop().call_later(self.defer_at_most, self._run_deferred)
+
+    def _run_deferred(self) -> None:
+        if self._deferred_timer is not None:
+            self._deferred_timer.cancel()
+            self._deferred_timer = None
+        while self._deferred:  # what a deferred call defers in turn runs now too
+            work, self._deferred = self._deferred, []
+            for fn, args in work:
+                try:
+                    fn(*args)
+                except Exception:  # one failure never keeps the others from running
+                    log.exception("deferred work failed: %r", fn)
+
     def _wake(self) -> None:
         if self._wakeup is not None and not self._wakeup.done():
             self._wakeup.set_result(None)
@@ -412,6 +443,8 @@ class Journal:
             self._lazy_taken()
             self._in_flight = batch
             await failpoint("journal_before_commit")
+            if self._deferred:  # runs once this batch is on its way: the loop waits for the database then
+                asyncio.get_running_loop().call_soon(self._run_deferred)
             await self._write_batch(batch)
             self._in_flight = []
 
