@@ -257,7 +257,7 @@ async def serve(
     api_task = asyncio.create_task(api.serve(sockets=[api_socket]), name="side api")
     logging.getLogger("mitmproxy.addons.proxyserver").addFilter(_ReportedByTheBroker())
     master_task = asyncio.create_task(master.run(), name="mitmproxy")
-    orphan_watch = asyncio.create_task(_stop_when_orphaned(master)) if worker is not None else None
+    orphan_watch = asyncio.create_task(_stop_when_orphaned(stop)) if worker is not None else None
     try:
         ready_wait = asyncio.create_task(ready.wait())
         done, _ = await asyncio.wait({ready_wait, master_task, api_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -426,14 +426,15 @@ def worker_ready_line(worker: int) -> str:
     return WORKER_READY.format(worker=worker, pid=os.getpid())
 
 
-async def _stop_when_orphaned(master: Master) -> None:
-    """A worker outlives no supervisor: if it is gone (even killed with SIGKILL), stop."""
+async def _stop_when_orphaned(stop: Callable[[], None]) -> None:
+    """A worker outlives no supervisor: if it is gone (even killed with SIGKILL), stop, the way a
+    signal stops it (the broker knows it is stopping before mitmproxy cuts the agents' connections)."""
     supervisor = int(os.environ.get("AFFIDAVIT_SUPERVISOR_PID", "0"))
     while True:
         await asyncio.sleep(1.0)
         if os.getppid() != supervisor:
             log.error("the supervisor (pid %d) is gone; this worker stops", supervisor)
-            master.shutdown()
+            stop()
             return
 
 
