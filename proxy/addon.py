@@ -28,6 +28,7 @@ from .broker import AgentRequest, Broker, Reply, internal_error, should_retry, s
 from .contract import CallerDisposition, Code, Outcome, Phase, Retry
 from .envelope import MEDIA_TYPE, encode, envelope
 from .failpoints import failpoint_now
+from .logs import LogThrottle
 from .upstream import HOP_BY_HOP, connection_options
 
 log = logging.getLogger("affidavit.addon")
@@ -119,40 +120,25 @@ def credentials_rejected(close: bool) -> http.Response:
     )
 
 
-class RejectionLog:
+class RejectionLog(LogThrottle):
     """Wrong proxy credentials, logged for the operator without letting a guessing client flood
     the log: the first rejection of a (who, address) pair is logged at once; further ones within
     ``window`` seconds are counted, and the next rejection after the window is logged with that
     count. ``affidavit_proxy_auth_rejected`` counts every one."""
 
     def __init__(self, window: float = 60.0, pairs: int = 1024, clock: Callable[[], float] = time.monotonic):
-        self.window = window
-        self._pairs = pairs
-        self._clock = clock
-        self._seen: dict[tuple[str | None, str], list[float | int]] = {}  # pair -> [logged at, not logged since]
+        super().__init__(window, pairs, clock)
 
     def rejected(self, known: str | None, address: str) -> None:
         metrics.PROXY_AUTH_REJECTED.labels(known or "(unknown)").inc()
-        now = self._clock()
-        pair = (known, address)
-        seen = self._seen.get(pair)
-        if seen is not None and now - seen[0] < self.window:
-            seen[1] += 1
+        skipped = self.admit((known, address))
+        if skipped is None:
             return
-        skipped = int(seen[1]) if seen is not None else 0
-        if seen is None and len(self._seen) >= self._pairs:
-            self._forget_quiet(now)
-        self._seen[pair] = [now, 0]
         who = f"agent {known!r}" if known else "an agent name this broker does not know"
         more = (f" ({skipped} more from there in the {self.window:.0f} s before, not logged one by one)"
                 if skipped else "")
         log.warning("proxy credentials rejected for %s from %s%s", who, address, more,
                     extra={"agent": known, "code": Code.PROXY_AUTH_REQUIRED.value, "not_logged": skipped})
-
-    def _forget_quiet(self, now: float) -> None:
-        quiet = [pair for pair, (at, skipped) in self._seen.items() if now - at >= self.window and not skipped]
-        for pair in quiet or list(self._seen)[: len(self._seen) // 2]:
-            del self._seen[pair]
 
 
 #: Fields HTTP/2 forbids in a request (RFC 9113 8.2.2): each only means something on one
