@@ -230,6 +230,9 @@ def install_core_refusals(body_limit: int, clocks: "RequestClocks | None" = None
     (431) and its connection closed: ``Http1Server.read_headers`` is wrapped here, since mitmproxy
     would otherwise hold it whole, from anyone who can reach the port, before any credential is
     looked at. Pinned by tests/test_broker_e2e.py::test_an_endless_request_head_is_refused_on_the_proxy_port.
+    The wrapper also reads on past blank lines before a request line, which mitmproxy skips one per
+    read and then waits for more bytes with the request in hand. Pinned by
+    tests/test_request_deadlines.py::test_a_whole_request_after_blank_lines_in_one_read_is_answered_at_once.
 
     The same HTTP/1 readers and the HTTP/2 connection's event handler run ``clocks``, the
     deadlines of a request that arrives slowly (proxy/deadlines.py): after each read they start
@@ -400,7 +403,14 @@ def install_core_refusals(body_limit: int, clocks: "RequestClocks | None" = None
             yield commands.CloseConnection(self.conn)
             self.state = self.done
         else:
+            before = len(self.buf)
             yield from read_headers(self, event)
+            # mitmproxy takes one blank line before a request line per read (RFC 9112 2.2 has a
+            # server ignore them) and then waits for more bytes, even with the whole request in
+            # hand, which would wait for the head deadline: read on.
+            while self.state == self.read_headers and self.buf and before - len(self.buf) in (1, 2):
+                before = len(self.buf)
+                yield from read_headers(self, events.DataReceived(self.conn, b""))
         if clocks is not None:
             clocks.http1_read(self, event)
 

@@ -369,6 +369,22 @@ def test_a_request_in_quick_pieces_within_its_deadlines_is_answered(
     assert (after["head"] - counted["head"], after["body"] - counted["body"]) == (1, 0)
 
 
+@pytest.mark.parametrize("blank", [b"\r\n", b"\n", b"\r\n\r\n"], ids=["crlf", "lf", "two"])
+def test_a_whole_request_after_blank_lines_in_one_read_is_answered_at_once(
+        broker: BrokerProcess, upstream: HostileUpstream, blank: bytes):
+    """RFC 9112 2.2: blank lines before a request line are ignored. mitmproxy skips one per read
+    and then waits for more bytes; a request that came whole with them would wait for its head
+    deadline and be refused as slow, though it had arrived."""
+    source = next(_SOURCES)
+    with plain(broker, source) as sock:
+        sock.sendall(blank + b"GET http://" + PLAIN.encode() + b"/h/ok HTTP/1.1\r\nHost: " + PLAIN.encode() + b"\r\n"
+                     b"Proxy-Authorization: " + basic(broker) + b"\r\n\r\n")
+        status, _, _ = read_response(sock, timeout=HEAD_DEADLINE)
+    assert status == 200
+    assert [r.path for r in upstream.received] == ["/h/ok"]
+    assert deadline_lines(broker, source) == []
+
+
 def test_a_flood_of_slow_requests_from_one_address_is_counted_every_time_and_logged_once(
         broker: BrokerProcess, upstream: HostileUpstream):
     source = next(_SOURCES)
