@@ -19,7 +19,7 @@ import re
 import time
 import weakref
 from http import HTTPStatus
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 from mitmproxy import http
 from mitmproxy.connection import Client, ConnectionState
 
@@ -28,7 +28,11 @@ from .broker import AgentRequest, Broker, Reply, internal_error, should_retry, s
 from .contract import CallerDisposition, Code, Outcome, Phase, Retry
 from .envelope import MEDIA_TYPE, encode, envelope
 from .failpoints import failpoint_now
+from .logs import LogThrottle
 from .upstream import HOP_BY_HOP, connection_options
+
+if TYPE_CHECKING:
+    from .deadlines import RequestClocks
 
 log = logging.getLogger("affidavit.addon")
 
@@ -89,10 +93,12 @@ def agent_fields(request: http.Request) -> list[tuple[str, str]]:
     return joined
 
 
-def _refusal(status: int, code: Code, message: str, extra_headers: list[tuple[str, str]] | None = None) -> http.Response:
-    body = envelope(None, code, Phase.VALIDATION, Outcome.NOT_ATTEMPTED, Retry.AFTER_CORRECTION, message)
+def _refusal(status: int, code: Code, message: str, extra_headers: list[tuple[str, str]] | None = None, *,
+             retry: Retry = Retry.AFTER_CORRECTION, evidence: dict[str, Any] | None = None) -> http.Response:
+    """An unrecorded refusal of the adapter's own (``invocation_id`` null): validation, not attempted."""
+    body = envelope(None, code, Phase.VALIDATION, Outcome.NOT_ATTEMPTED, retry, message, evidence)
     headers = [("Content-Type", MEDIA_TYPE), ("Affidavit-Code", code.value), ("Affidavit-Outcome", Outcome.NOT_ATTEMPTED.value),
-               *should_retry(Retry.AFTER_CORRECTION), *(extra_headers or [])]
+               *should_retry(retry), *(extra_headers or [])]
     return _reply_to_response(Reply(status, headers, encode(body)))
 
 
@@ -119,40 +125,25 @@ def credentials_rejected(close: bool) -> http.Response:
     )
 
 
-class RejectionLog:
+class RejectionLog(LogThrottle):
     """Wrong proxy credentials, logged for the operator without letting a guessing client flood
     the log: the first rejection of a (who, address) pair is logged at once; further ones within
     ``window`` seconds are counted, and the next rejection after the window is logged with that
     count. ``affidavit_proxy_auth_rejected`` counts every one."""
 
     def __init__(self, window: float = 60.0, pairs: int = 1024, clock: Callable[[], float] = time.monotonic):
-        self.window = window
-        self._pairs = pairs
-        self._clock = clock
-        self._seen: dict[tuple[str | None, str], list[float | int]] = {}  # pair -> [logged at, not logged since]
+        super().__init__(window, pairs, clock)
 
     def rejected(self, known: str | None, address: str) -> None:
         metrics.PROXY_AUTH_REJECTED.labels(known or "(unknown)").inc()
-        now = self._clock()
-        pair = (known, address)
-        seen = self._seen.get(pair)
-        if seen is not None and now - seen[0] < self.window:
-            seen[1] += 1
+        skipped = self.admit((known, address))
+        if skipped is None:
             return
-        skipped = int(seen[1]) if seen is not None else 0
-        if seen is None and len(self._seen) >= self._pairs:
-            self._forget_quiet(now)
-        self._seen[pair] = [now, 0]
         who = f"agent {known!r}" if known else "an agent name this broker does not know"
         more = (f" ({skipped} more from there in the {self.window:.0f} s before, not logged one by one)"
                 if skipped else "")
         log.warning("proxy credentials rejected for %s from %s%s", who, address, more,
                     extra={"agent": known, "code": Code.PROXY_AUTH_REQUIRED.value, "not_logged": skipped})
-
-    def _forget_quiet(self, now: float) -> None:
-        quiet = [pair for pair, (at, skipped) in self._seen.items() if now - at >= self.window and not skipped]
-        for pair in quiet or list(self._seen)[: len(self._seen) // 2]:
-            del self._seen[pair]
 
 
 #: Fields HTTP/2 forbids in a request (RFC 9113 8.2.2): each only means something on one
@@ -214,7 +205,7 @@ MAX_REQUEST_HEAD = 64 * 1024
 MAX_CHUNK_LINE = 4096
 
 
-def install_core_refusals(body_limit: int) -> None:
+def install_core_refusals(body_limit: int, clocks: "RequestClocks | None" = None) -> None:
     """Make the refusals mitmproxy sends itself, before any hook runs, envelopes like every
     other: HTTP it cannot parse (400) and a body over its ``body_size_limit`` (413).
 
@@ -239,6 +230,14 @@ def install_core_refusals(body_limit: int) -> None:
     (431) and its connection closed: ``Http1Server.read_headers`` is wrapped here, since mitmproxy
     would otherwise hold it whole, from anyone who can reach the port, before any credential is
     looked at. Pinned by tests/test_broker_e2e.py::test_an_endless_request_head_is_refused_on_the_proxy_port.
+    The wrapper also reads on past blank lines before a request line, which mitmproxy skips one per
+    read and then waits for more bytes with the request in hand. Pinned by
+    tests/test_request_deadlines.py::test_a_whole_request_after_blank_lines_in_one_read_is_answered_at_once.
+
+    The same HTTP/1 readers and the HTTP/2 connection's event handler run ``clocks``, the
+    deadlines of a request that arrives slowly (proxy/deadlines.py): after each read they start
+    or stop the clock of the part of the request still awaited, and an expiry reaches them as a
+    ``Wakeup`` event, which they hand to ``clocks``. Pinned by tests/test_request_deadlines.py.
     """
     from h11 import EndOfMessage, ProtocolError
     from h11._readers import ChunkedReader
@@ -253,6 +252,8 @@ def install_core_refusals(body_limit: int) -> None:
     )
     from mitmproxy.proxy.layers.http import _http1, _http2
     from mitmproxy.proxy.layers.http._base import ReceiveHttp
+
+    from .deadlines import expired  # deadlines builds on this module: imported once both are loaded
 
     try:  # mitmproxy 12: a protocol error's code is an ErrorCode that knows its HTTP status
         from mitmproxy.proxy.layers.http import ErrorCode
@@ -360,10 +361,14 @@ def install_core_refusals(body_limit: int) -> None:
     read_body = getattr(_http1.Http1Server.read_body, "__wrapped__", _http1.Http1Server.read_body)
 
     def http1_read_body(self: _http1.Http1Server, event: Any) -> Any:
+        if isinstance(event, events.Wakeup):  # a deadline (mitmproxy asks for no wakeup here)
+            if clocks is not None:
+                yield from clocks.http1_expired(self, event)
+            return
         if not isinstance(self.body_reader, AgentBodyReader):  # a new reader for each request
             self.body_reader = AgentBodyReader(self.body_reader)
         try:
-            return (yield from read_body(self, event))
+            yield from read_body(self, event)
         except Unreadable as unreadable:
             response: http.Response = unreadable.args[0]
             if self.response is None and self.conn.state & ConnectionState.CAN_WRITE:
@@ -372,29 +377,48 @@ def install_core_refusals(body_limit: int) -> None:
             yield commands.CloseConnection(self.conn)
             yield ReceiveHttp(RequestProtocolError(self.stream_id, "the request body could not be read as sent", unreadable_request))
             self.state = self.done
+        if clocks is not None:
+            clocks.http1_read(self, event)
 
     read_headers = getattr(_http1.Http1Server.read_headers, "__wrapped__", _http1.Http1Server.read_headers)
 
     def http1_read_headers(self: _http1.Http1Server, event: Any) -> Any:
+        if isinstance(event, events.Wakeup):  # a deadline (mitmproxy asks for no wakeup here)
+            if clocks is not None:
+                yield from clocks.http1_expired(self, event)
+            return
         # Judged before mitmproxy parses the bytes (its layer has added them to the buffer): a
         # head that arrives whole in one read is parsed, and its request handled, in the same
         # step, so a check afterwards only sees heads that have not ended yet.
+        too_large = False
         if isinstance(event, events.DataReceived) and len(self.buf) > MAX_REQUEST_HEAD:
             pending = bytes(self.buf)
             ends = [i for i in (pending.find(b"\n\r\n"), pending.find(b"\n\n")) if i >= 0]
-            if (min(ends) if ends else len(pending)) > MAX_REQUEST_HEAD and self.conn.state & ConnectionState.CAN_WRITE:
-                response = refusal(431)
-                assert response is not None
-                response.headers["Connection"] = "close"
-                yield commands.SendData(self.conn, assemble_response(response))
-                yield commands.CloseConnection(self.conn)
-                self.state = self.done
-                return
-        yield from read_headers(self, event)
+            too_large = (min(ends) if ends else len(pending)) > MAX_REQUEST_HEAD and bool(self.conn.state & ConnectionState.CAN_WRITE)
+        if too_large:
+            response = refusal(431)
+            assert response is not None
+            response.headers["Connection"] = "close"
+            yield commands.SendData(self.conn, assemble_response(response))
+            yield commands.CloseConnection(self.conn)
+            self.state = self.done
+        else:
+            before = len(self.buf)
+            yield from read_headers(self, event)
+            # mitmproxy takes one blank line before a request line per read (RFC 9112 2.2 has a
+            # server ignore them) and then waits for more bytes, even with the whole request in
+            # hand, which would wait for the head deadline: read on.
+            while self.state == self.read_headers and self.buf and before - len(self.buf) in (1, 2):
+                before = len(self.buf)
+                yield from read_headers(self, events.DataReceived(self.conn, b""))
+        if clocks is not None:
+            clocks.http1_read(self, event)
 
     handle_event = getattr(_http2.Http2Server._handle_event, "__wrapped__", _http2.Http2Server._handle_event)
 
     def http2_handle_event(self: _http2.Http2Server, event: Any) -> Any:
+        if isinstance(event, events.Wakeup) and clocks is not None and expired(event) is not None:
+            return (yield from clocks.http2_expired(self, event))  # a stream's body deadline
         response = None
         if isinstance(event, ResponseProtocolError) and self.is_open_for_us(event.stream_id):
             stream = self.h2_conn.streams.get(event.stream_id)
@@ -419,7 +443,7 @@ def install_core_refusals(body_limit: int) -> None:
     _http2.Http2Server._handle_event = http2_handle_event  # type: ignore[method-assign]
 
 
-def install_caller_watch(addon: "BrokerAddon") -> None:
+def install_caller_watch(addon: "BrokerAddon", clocks: "RequestClocks | None" = None) -> None:
     """Tell ``addon`` at once when an agent abandons a request whose ``request`` hook still runs.
 
     mitmproxy has no hook for this. While a blocking hook runs, it parks every later event for
@@ -504,7 +528,10 @@ def install_caller_watch(addon: "BrokerAddon") -> None:
                 refuse_stream(self.h2_conn, event.stream_id, why)
                 yield SendData(self.conn, self.h2_conn.data_to_send())
                 return False
-        return (yield from handle_h2_event(self, event))
+        stop = yield from handle_h2_event(self, event)
+        if clocks is not None:
+            clocks.http2_event(self, event)  # a stream's body deadline starts with its headers, stops at its end
+        return stop
 
     def body_length_mismatch(declared: int, read: int) -> str:
         if read > declared:

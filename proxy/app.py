@@ -29,6 +29,7 @@ from .api import BoundedHead, create_app
 from .broker import Broker
 from .config import ConfigError, Settings, parse_listen
 from .credentials import CredentialUnavailable, Credentials, read_source
+from .deadlines import RequestClocks
 from .crypto import KeyRing
 from .failpoints import failpoint
 from .recovery import Recovery
@@ -219,9 +220,10 @@ async def serve(
     ready = asyncio.Event()
     largest = max([int(r.max_body) for r in settings.routes if r.max_body is not None] + [int(settings.proxy.max_body)])
     core_limit = largest + 1024 * 1024  # what mitmproxy reads at most, before any hook
-    install_core_refusals(core_limit)
+    clocks = RequestClocks(head=settings.proxy.request_head_timeout, body=settings.proxy.request_body_timeout)
+    install_core_refusals(core_limit, clocks)
     addon = BrokerAddon(broker, AgentAuth(tokens), on_running=ready.set)
-    install_caller_watch(addon)
+    install_caller_watch(addon, clocks)
     master = lean_master(opts, addon, body_size_limit=str(core_limit))
 
     api_host, api_port = parse_listen(settings.api.listen)

@@ -113,6 +113,10 @@ class ProxySection(_Section):
     idempotency_header: Token = "Idempotency-Key"
     #: How long a re-send may hold an invocation before it must have dispatched.
     retry_lease: Duration = 30.0
+    #: How long an agent's request line and headers may take to arrive, from their first byte.
+    request_head_timeout: Duration = 30.0
+    #: How long an agent's request body may take to arrive, once its headers are complete.
+    request_body_timeout: Duration = 120.0
     #: Broker processes sharing the listen ports (SO_REUSEPORT) and one journal; see docs/performance.md.
     workers: int = Field(default=1, ge=1, le=64)
     #: The event loop the broker runs on: uvloop's (libuv), or asyncio's own.

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Callable, Hashable
 
 import orjson
 
@@ -48,3 +49,36 @@ def setup(level: str = "info") -> None:
     logging.getLogger("affidavit").setLevel(numeric)
     for name in ("mitmproxy", "uvicorn", "uvicorn.error", "asyncio", "alembic", "sqlalchemy", "hpack", "h2"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+class LogThrottle:
+    """Whether to log one more event of a kind that a client can cause at will (wrong proxy
+    credentials, a request that arrives too slowly), without letting a flood of them flood the
+    log: the first event of a key (say, a client address) is logged at once; further ones within
+    ``window`` seconds are counted, and the next one after the window is logged with that count.
+    At most ``keys`` keys are remembered (quiet ones are forgotten first)."""
+
+    def __init__(self, window: float = 60.0, keys: int = 1024, clock: Callable[[], float] = time.monotonic):
+        self.window = window
+        self._keys = keys
+        self._clock = clock
+        self._seen: dict[Hashable, list[float | int]] = {}  # key -> [logged at, not logged since]
+
+    def admit(self, key: Hashable) -> int | None:
+        """None: do not log this one (it is counted into the next line); otherwise log it, saying
+        how many of this key were not logged in the window before (the returned number)."""
+        now = self._clock()
+        seen = self._seen.get(key)
+        if seen is not None and now - seen[0] < self.window:
+            seen[1] += 1
+            return None
+        skipped = int(seen[1]) if seen is not None else 0
+        if seen is None and len(self._seen) >= self._keys:
+            self._forget_quiet(now)
+        self._seen[key] = [now, 0]
+        return skipped
+
+    def _forget_quiet(self, now: float) -> None:
+        quiet = [key for key, (at, skipped) in self._seen.items() if now - at >= self.window and not skipped]
+        for key in quiet or list(self._seen)[: len(self._seen) // 2]:
+            del self._seen[key]

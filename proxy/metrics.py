@@ -39,6 +39,15 @@ PROXY_AUTH_REJECTED = Counter(
     ["agent"],
     registry=REGISTRY,
 )
+REQUEST_TIMEOUTS = Counter(
+    "affidavit_request_timeouts",
+    "Agent requests refused with 408 because their head (request line and headers) or body did not arrive "
+    "within its deadline, by which part.",
+    ["part"],
+    registry=REGISTRY,
+)
+for _part in ("head", "body"):  # zero until the first, so that an alert on its rate has a series to watch
+    REQUEST_TIMEOUTS.labels(_part)
 RECOVERED = Counter(
     "affidavit_recovered", "In-flight records of stopped brokers closed by this broker.", registry=REGISTRY
 )

@@ -174,6 +174,28 @@ def test_durations():
         parse_duration("-1s")
 
 
+def test_the_request_deadlines_default_to_30_and_120_seconds_and_are_read_from_file_and_environment(tmp_path, monkeypatch):
+    settings = load_settings(write(tmp_path, good(tmp_path)))
+    assert (settings.proxy.request_head_timeout, settings.proxy.request_body_timeout) == (30.0, 120.0)
+    text = good(tmp_path).replace('[proxy]\n', '[proxy]\nrequest_head_timeout = "500ms"\n', 1)
+    monkeypatch.setenv("AFFIDAVIT_PROXY__REQUEST_BODY_TIMEOUT", "15m")
+    settings = load_settings(write(tmp_path, text))
+    assert (settings.proxy.request_head_timeout, settings.proxy.request_body_timeout) == (0.5, 900.0)
+
+
+@pytest.mark.parametrize(("key", "value", "reason"), [
+    ("request_head_timeout", "0", "a duration must be positive"),
+    ("request_body_timeout", '"0s"', "a duration must be positive"),
+    ("request_body_timeout", "-5", "a duration must be positive"),
+    ("request_head_timeout", '"soon"', "not a duration"),
+])
+def test_a_request_deadline_that_is_not_a_positive_duration_is_refused(tmp_path, key, value, reason):
+    path = write(tmp_path, good(tmp_path).replace("[proxy]\n", f"[proxy]\n{key} = {value}\n", 1))
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path)
+    assert f"proxy.{key}" in str(caught.value) and reason in str(caught.value), caught.value
+
+
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0

@@ -48,6 +48,7 @@ ALLOWED_LABELS: dict[str, set[str]] = {
     "code": {c.value for c in Code} | {""},
     "channel": CHANNELS,
     "agent": {"builder", "reviewer", "(unknown)"},
+    "part": {"head", "body"},  # affidavit_request_timeouts
 }
 #: Every form a canary could leak in: as is, and basic-encoded the way the ``basic`` route sends it.
 FORBIDDEN = [*CANARIES.values(), *(base64.b64encode(f"svc:{v}".encode()).decode() for v in CANARIES.values())]
