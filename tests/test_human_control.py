@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 import threading
@@ -484,15 +483,30 @@ def held_then_restarted(make_broker, upstream, body: bytes, **recovery: str) -> 
     return broker, key, card
 
 
-def test_a_clean_stop_leaves_a_held_request_held_and_does_not_log_it_ended(make_broker, upstream):
-    """SIGTERM while a request waits for approval: the broker cuts the agent's connection, which is
-    not the agent leaving. The request stays held (as across a crash), and no "invocation ended"
-    line claims an end the journal does not have."""
-    broker = make_broker("sqlite", routes=control_routes(upstream))
+@pytest.mark.parametrize("how", ["SIGTERM", "supervisor killed"])
+def test_a_stop_leaves_a_held_request_held_and_does_not_log_it_ended(make_broker, upstream, how):
+    """The broker stops while a request waits for approval: on SIGTERM, or (`--workers 2`) because
+    its supervisor was killed with SIGKILL and the orphaned workers stop by themselves. Cutting the
+    agent's connection on the way is the broker stopping, not the agent leaving: the request stays
+    held (as across a crash), and no "invocation ended" line claims an end the journal does not
+    have."""
+    from tests.test_workers import wait_gone, worker_pids
+
+    workers = how == "supervisor killed"
+    broker = make_broker("sqlite", routes=control_routes(upstream), **({"proxy": {"workers": 2}} if workers else {}))
+    pids = worker_pids(broker) if workers else []
     key = "deploy_" + secrets.token_hex(6)
     Held(broker, b'{"deploy":"v49"}', key=key, timeout=5)
     card = wait_for_card(broker)
-    broker.stop()
+    if workers:
+        assert broker.proc is not None
+        broker.proc.kill()  # the supervisor only: its workers notice within a second and stop
+        broker.proc.wait(5)
+        broker.proc = None
+        assert wait_gone(pids, timeout=15) == [], "the orphaned workers did not stop"
+        assert "the supervisor (pid" in broker.logs(), "the workers' own log lines reach the test's log"
+    else:
+        broker.stop()
     ended = [e for e in broker.log_entries()
              if e.get("msg") == "invocation ended" and e.get("invocation_id") == card["invocation_id"]]
     assert ended == [], ended
@@ -501,42 +515,6 @@ def test_a_clean_stop_leaves_a_held_request_held_and_does_not_log_it_ended(make_
     assert (record["stage"], record["caller_disposition"]) == ("held", "waiting"), record
     assert [c["invocation_id"] for c in wait_for_card_list(broker)] == [card["invocation_id"]]
     assert sent(upstream) == []
-
-
-def test_a_worker_whose_supervisor_died_leaves_a_held_request_held_and_does_not_log_it_ended(make_broker, upstream):
-    """The supervisor of `--workers 2` is killed (SIGKILL) while a request waits for approval in one
-    of its workers. The worker stops by itself; cutting the agent's connection on the way is the
-    broker stopping, not the agent leaving, exactly as on SIGTERM: no "invocation ended" line, and
-    the request is still held after a restart."""
-    broker = make_broker("sqlite", routes=control_routes(upstream), proxy={"workers": 2})
-    pids = [int(p) for p in re.findall(r"workers share these ports \(pids ([0-9, ]+)\)", broker.logs())[-1].split(", ")]
-    key = "deploy_" + secrets.token_hex(6)
-    Held(broker, b'{"deploy":"v50"}', key=key, timeout=5)
-    card = wait_for_card(broker)
-    assert broker.proc is not None
-    broker.proc.kill()  # the supervisor only: its workers notice within a second and stop
-    broker.proc.wait(5)
-    broker.proc = None
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.1)
-    assert not any(_alive(p) for p in pids), "the orphaned workers did not stop"
-    assert "the supervisor (pid" in broker.logs(), "the workers' own log lines reach the test's log"
-    ended = [e for e in broker.log_entries()
-             if e.get("msg") == "invocation ended" and e.get("invocation_id") == card["invocation_id"]]
-    assert ended == [], ended
-    broker.start()
-    record = broker.invocation(card["invocation_id"])
-    assert (record["stage"], record["caller_disposition"]) == ("held", "waiting"), record
-    assert sent(upstream) == []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def wait_for_card_list(broker: BrokerProcess) -> list[dict[str, Any]]:
