@@ -70,18 +70,7 @@ def plain(broker: BrokerProcess, source: str) -> socket.socket:
 
 def tunnel(broker: BrokerProcess, source: str, host: str = TLS_HOST) -> ssl.SSLSocket:
     """A raw agent's CONNECT tunnel to ``host``:443 from ``source``, then TLS trusting the broker's CA."""
-    sock = plain(broker, source)
-    sock.sendall(b"CONNECT %s:443 HTTP/1.1\r\nHost: %s:443\r\nProxy-Authorization: %s\r\n\r\n" % (
-        host.encode(), host.encode(), basic(broker)))
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = sock.recv(4096)
-        assert chunk, head
-        head += chunk
-    assert head.startswith(b"HTTP/1.1 200"), head
-    context = ssl.create_default_context(cafile=str(broker.ca_path))
-    context.set_alpn_protocols(["http/1.1"])
-    return context.wrap_socket(sock, server_hostname=host)
+    return broker.tunnel(host, source=source, timeout=BOUND)
 
 
 def connection(broker: BrokerProcess, how: str, source: str) -> tuple[socket.socket, bytes, bytes]:

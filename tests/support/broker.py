@@ -238,12 +238,15 @@ class BrokerProcess:
     def operator(self) -> httpx.Client:
         return self.api(self.operator_token)
 
-    def tunnel(self, host: str, port: int = 443, alpn: str = "http/1.1", agent: str = "builder") -> ssl.SSLSocket:
-        """A raw agent's CONNECT tunnel to ``host:port`` with ``agent``'s credentials, then TLS
-        trusting the broker's CA and offering ``alpn`` only (which the broker must pick)."""
+    def tunnel(self, host: str, port: int = 443, alpn: str = "http/1.1", agent: str = "builder",
+               source: str | None = None, timeout: float = 10) -> ssl.SSLSocket:
+        """A raw agent's CONNECT tunnel to ``host:port`` with ``agent``'s credentials (from the
+        loopback address ``source``, if given), then TLS trusting the broker's CA and offering
+        ``alpn`` only (which the broker must pick)."""
         authority = f"{host}:{port}"
         basic = base64.b64encode(f"{agent}:{self.agents[agent].token}".encode()).decode()
-        sock = socket.create_connection(("127.0.0.1", self.proxy_port), timeout=10)
+        sock = socket.create_connection(("127.0.0.1", self.proxy_port), timeout=timeout,
+                                        source_address=(source, 0) if source else None)
         sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\nProxy-Authorization: Basic {basic}\r\n\r\n".encode())
         head = b""
         while b"\r\n\r\n" not in head:
