@@ -130,6 +130,10 @@ class InvocationLog:
         self._diagnostic: str | None = None
         self._started = time.monotonic()
         self._dispatched_at: float | None = None
+        #: The end this log appended (the record then, and when), until the write that holds it
+        #: is durable: only then is it logged and counted (:meth:`_end_landed`).
+        self._end: tuple[Record, float] | None = None
+        self._end_write: Write | None = None
 
     @property
     def invocation_id(self) -> str:
@@ -151,7 +155,7 @@ class InvocationLog:
             self.attempts_used = self.record.dispatch_count
             self._dispatched_at = time.monotonic()
         if self.record.ended and not was_ended:
-            self._log_end()
+            self._end = (self.record, time.monotonic())
         self._buffer.append(EventRow(self.invocation_id, seq, kind.value, utcnow(), payload, key_id))
         return event
 
@@ -161,21 +165,18 @@ class InvocationLog:
         for event in events:
             self.record = apply(self.record, event)
 
-    def _log_end(self) -> None:
-        """One structured line per ended attempt: what happened, never anything secret.
+    def _end_landed(self, write: Write) -> None:
+        """``write`` is durable: if it holds this log's end, log and count that end now.
 
-        The end is usually appended just before a commit the caller waits for, or after a
-        delivery nobody waits for. Inside the event loop the line is written once the journal
-        writer has sent its next batch (:meth:`Journal.defer`), while the database works, not
-        while a caller waits.
-        """
-        record, now = self.record, time.monotonic()
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            self._emit_end(record, now)
-        else:
-            self.journal.defer(self._emit_end, record, now)
+        One structured line (and one count) per ended attempt the journal holds: an end whose
+        write never lands (the journal refused it, or another broker closed the record first) is
+        not reported here, since the record says otherwise or nothing. The line is written once
+        the journal writer has sent its next batch (:meth:`Journal.defer`), while the database
+        works, not while the caller waits for the same commit."""
+        if write is not self._end_write or self._end is None:
+            return
+        (record, now), self._end, self._end_write = self._end, None, None
+        self.journal.defer(self._emit_end, record, now)
 
     def _emit_end(self, record: Record, now: float) -> None:
         identity = self.identity
@@ -273,6 +274,8 @@ class InvocationLog:
         """
         write = self._next_write(result, fence, claim, lazy)
         self._last = self.journal.submit(write)
+        if write is self._end_write:
+            self._last.add_done_callback(lambda future: None if _went_wrong(future) else self._end_landed(write))
         return self._last
 
     async def commit(
@@ -298,6 +301,8 @@ class InvocationLog:
         self._unconfirmed = [w for w in self._unconfirmed if not _durable(w)]
         self._unconfirmed.append(write)
         self._buffer = []
+        if self._end is not None and self._end_write is None:
+            self._end_write = write  # the end's event is among these rows
         if self._persisted:
             write.update_invocation = projection_row(self.invocation_id, projection)
         else:
@@ -354,6 +359,7 @@ class InvocationLog:
         (:meth:`_next_write` drops the durable ones), so it may be gone."""
         if write in self._unconfirmed:
             self._unconfirmed.remove(write)
+        self._end_landed(write)
 
     async def _stored(self, write: Write) -> bool:
         """Whether the database holds ``write``'s events as they are (its commit had landed).

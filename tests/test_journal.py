@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable
@@ -15,6 +16,7 @@ from sqlalchemy import select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from proxy import metrics
 from proxy.contract import EventKind, Phase, project
 from proxy.invocation_log import Identity, InvocationLog, new_invocation_id
 from proxy.store import queries
@@ -614,6 +616,60 @@ def test_resubmit_refuses_when_other_events_took_those_sequence_numbers(db):
             await entry.commit()
         await journal.close()
         await journal.engine.dispose()
+
+    asyncio.run(scenario())
+
+
+def _ends_reported(caplog: pytest.LogCaptureFixture, invocation_id: str) -> list[str | None]:
+    """The diagnostic of each "invocation ended" line of ``invocation_id``."""
+    return [r.diagnostic for r in caplog.records if r.getMessage() == "invocation ended" and r.invocation_id == invocation_id]
+
+
+def _ends_counted() -> float:
+    return metrics.REGISTRY.get_sample_value("affidavit_invocations_total", {
+        "route": "payments.create", "phase": "remote_execution", "outcome": "unknown", "code": "REMOTE_OUTCOME_UNKNOWN",
+    }) or 0.0
+
+
+@pytest.mark.parametrize("then", ["resubmitted", "landed unconfirmed", "closed by another broker"])
+def test_an_end_is_logged_and_counted_once_the_journal_holds_it_and_never_when_it_does_not(db, caplog, then):
+    """The "invocation ended" line and affidavit_invocations_total report ends the journal holds:
+    not while the end's write is refused, once when a resend lands (or finds it had landed), and
+    never when another broker closed the record instead (that broker reports its own end)."""
+    caplog.set_level(logging.INFO, logger="affidavit.invocations")
+
+    async def scenario() -> None:
+        journal = Journal(make_engine(db), writer="w1", defer_at_most=0.01)
+        await journal.start()
+        entry = _accepted(journal)
+        entry.append(EventKind.PREFLIGHT_VALIDATED, route="payments.create")
+        entry.append(EventKind.CREDENTIAL_AUTHORIZED, credential_id=None, injection="none")
+        entry.append(EventKind.DISPATCH_STARTED, attempt=1, connection="new")
+        await entry.commit()
+        counted = _ends_counted()
+        _failed_once(journal, land=then == "landed unconfirmed")
+        entry.append(EventKind.FAILED, phase=Phase.REMOTE_EXECUTION, code="REMOTE_OUTCOME_UNKNOWN")
+        with pytest.raises(JournalUnavailable):
+            await entry.commit()
+        await asyncio.sleep(0.1)  # past defer_at_most: anything deferred has run
+        assert _ends_reported(caplog, entry.invocation_id) == [] and _ends_counted() == counted, "refused: no end yet"
+
+        if then == "closed by another broker":
+            _, events_now = await queries.events_of(journal.engine, entry.invocation_id, journal.decode_payload)
+            other = InvocationLog(journal, entry.identity, "another-broker", record=project(events_now), persisted=True)
+            other.append(EventKind.FAILED, phase=Phase.REMOTE_EXECUTION, code="REMOTE_OUTCOME_UNKNOWN",
+                         diagnostic="closed by recovery")
+            await other.commit()
+            with pytest.raises(LeaseLost):
+                await entry.resubmit()
+        else:
+            await entry.resubmit()
+            await entry.resubmit()  # nothing left to send: reported once, not per call
+        await journal.close()
+        await journal.engine.dispose()
+        reported = ["closed by recovery"] if then == "closed by another broker" else [None]
+        assert _ends_reported(caplog, entry.invocation_id) == reported, "the one end the journal holds, reported once"
+        assert _ends_counted() == counted + 1
 
     asyncio.run(scenario())
 

@@ -325,6 +325,10 @@ class Journal:
             await self._sqlite_writer.close()
         if self._sqlite_thread is not None:
             await asyncio.get_running_loop().run_in_executor(self._sqlite_thread, self._close_sqlite)
+        # What the last writes' landing deferred (an end's log line and count) runs before the
+        # loop may stop; a write it would submit is refused now, as any after close.
+        await asyncio.sleep(0)
+        self._run_deferred()
 
     @property
     def write_problem(self) -> str | None:
