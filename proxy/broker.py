@@ -633,6 +633,16 @@ class Broker:
                 "relays HTTP requests and their responses, one recorded exchange each, and does not relay WebSocket "
                 "connections. Nothing was sent. Use the service's HTTP API instead.",
             )
+        if (override := _method_override(req)) is not None:
+            name, asked = override
+            return (
+                Code.UNSUPPORTED_ACTION,
+                f"The request is a {req.method.upper()}, but its {name} header asks the service for {asked!r}. Many "
+                "services honour that header and perform the other method, which route "
+                f"'{route.name}' was not checked against and which the record would misstate (its method, and "
+                "whether a repeat is safe). Nothing was sent. Send the request with the method it means, and "
+                "without the header.",
+            )
         limit = int(route.max_body if route.max_body is not None else self.settings.proxy.max_body)
         if len(req.body) > limit:
             return (
@@ -1731,6 +1741,23 @@ def _asks_for_websocket(req: AgentRequest) -> bool:
     say) are dropped with the other hop-by-hop fields and the request goes on as HTTP/1.1; a
     WebSocket handshake without its ``Upgrade`` would reach the service as a plain GET."""
     return "websocket" in list_tokens(req.headers, "upgrade")
+
+
+#: Headers with which a client asks a server to perform another method than the request's own
+#: (Google's APIs, Express's and Rails' method-override middleware, and others honour them).
+METHOD_OVERRIDE_HEADERS = ("x-http-method-override", "x-http-method", "x-method-override")
+
+
+def _method_override(req: AgentRequest) -> tuple[str, str] | None:
+    """(header, value) of the first method-override header that names another method than the
+    request's own: the broker routes, records and judges retries by the request's method, and
+    cannot know whether the service performs the one the header asks for. Naming the same
+    method is harmless; an empty value asks for nothing."""
+    method = req.method.upper()
+    for name, value in req.headers:
+        if name.lower() in METHOD_OVERRIDE_HEADERS and value.strip() and value.strip().upper() != method:
+            return name, value.strip()
+    return None
 
 
 def internal_error(message: str) -> Reply:

@@ -900,6 +900,33 @@ def test_a_websocket_handshake_is_refused_before_anything_is_sent(broker: Broker
     assert forwarded.header("Upgrade") is None and forwarded.header("HTTP2-Settings") is None
 
 
+@pytest.mark.parametrize("header", ["X-HTTP-Method-Override", "X-HTTP-Method", "x-method-override"])
+def test_a_method_override_header_naming_another_method_is_refused_before_anything_is_sent(
+    broker: BrokerProcess, upstream: HostileUpstream, header: str
+):
+    """A GET that asks the service to DELETE: many services honour the header, and the broker
+    would have routed, recorded and judged its retries as a GET (safe to repeat). Refused, nothing
+    sent. The header naming the request's own method (any case) asks for nothing new."""
+    upstream.reset()
+    with broker.client() as client:
+        refused = client.get(f"{PAYMENTS}/h/ok", headers={header: "DELETE"})
+        same = client.post(f"{PAYMENTS}/h/ok", headers={header: "post"}, content=b"{}")
+    SEEN.append(refused.text)
+    assert refused.status_code == 405, refused.text
+    body = check_envelope(refused.content)
+    assert (body["error"]["code"], body["error"]["phase"], body["error"]["outcome"]) == \
+        ("UNSUPPORTED_ACTION", "validation", "not_attempted")
+    message = body["error"]["message"]
+    assert header in message and "'DELETE'" in message and "Nothing was sent" in message, message
+    record = broker.invocation(body["invocation_id"])
+    assert (record["method"], record["code"]) == ("GET", "UNSUPPORTED_ACTION")
+    assert "DISPATCH_STARTED" not in [e["kind"] for e in record["events"]]
+
+    assert same.status_code == 200 and same.headers["affidavit-outcome"] == "committed", same.text
+    [forwarded] = upstream.received
+    assert forwarded.method == "POST" and forwarded.header(header) == "post"
+
+
 def test_fields_a_connection_header_names_do_not_cross_the_broker(broker: BrokerProcess, upstream: HostileUpstream):
     """RFC 9110 7.6.1: a proxy removes the fields ``Connection`` names, both ways. A field the
     agent marks as its hop's only is not sent (nor fingerprinted); one the upstream marks so is
