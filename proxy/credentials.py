@@ -156,38 +156,40 @@ def redaction_needles(credential: Credential, header_value: str) -> list[bytes]:
 def redact(data: bytes, needles: list[bytes]) -> tuple[bytes, bool]:
     """Replace every echo of a needle, however an upstream spelled it (see :func:`_spellings`);
     returns (bytes, whether anything was replaced). Longer needles first (the whole header value
-    before the secret inside it), and a needle's patterns run only where one of its probes is."""
+    before the secret inside it); a spelling's pattern runs only if its probe is in ``data``."""
     if not data or not needles:
         return data, False
+    present = _present(data, needles)
     changed = False
-    for needle in _echoed(data, needles):
-        spelled = _spellings(needle)
-        spans = [m.span() for m in spelled.folded.finditer(data.lower())]
-        if spelled.exact is not None:
-            spans += [m.span() for m in spelled.exact.finditer(data)]
+    for needle in needles:
+        forms = present.get(needle)
+        if not forms:
+            continue
+        folded = data.lower() if any(form.folded for form in forms) else data
+        spans = [m.span() for form in forms for m in form.pattern.finditer(folded if form.folded else data)]
         if spans:
             data, changed = _replaced(data, spans), True
     return data, changed
 
 
-def _echoed(data: bytes, needles: list[bytes]) -> list[bytes]:
-    """The needles (in their order) one of whose probes ``data`` holds: a plain search for each,
-    the common path. Shortest first, so that a probe holding one already found absent (the header
-    value's holds the secret's) is known absent without a search of its own."""
+def _present(data: bytes, needles: list[bytes]) -> dict[bytes, list[_Form]]:
+    """Each needle's spellings whose probe ``data`` holds: a plain search for each, the common path.
+    Shortest needle first, so that a probe holding one already found absent (the header value's
+    holds the secret's) is known absent without a search of its own."""
     folded: bytes | None = None
     absent: list[tuple[bytes, bool]] = []
-    hit = set()
+    present: dict[bytes, list[_Form]] = {}
     for needle in sorted(needles, key=len):
-        for probe, fold in _spellings(needle).probes:
-            if any(f == fold and a in probe for a, f in absent):
+        for form in _spellings(needle):
+            if any(f == form.folded and a in form.probe for a, f in absent):
                 continue
-            if fold and folded is None:
+            if form.folded and folded is None:
                 folded = data.lower()
-            if probe in (folded if fold else data):
-                hit.add(needle)
-                break
-            absent.append((probe, fold))
-    return [n for n in needles if n in hit]
+            if form.probe in (folded if form.folded else data):
+                present.setdefault(needle, []).append(form)
+            else:
+                absent.append((form.probe, form.folded))
+    return present
 
 
 def _replaced(data: bytes, spans: list[tuple[int, int]]) -> bytes:
@@ -220,21 +222,20 @@ _URL_SAFE = bytes.maketrans(b"+/", b"-_")
 
 
 @dataclass(frozen=True, slots=True)
-class _Spellings:
-    """How to find one needle's echoes."""
+class _Form:
+    """One way an echo of a needle may be spelled."""
 
-    #: The needle in any case, as sent or escaped, and its hex: matched in ``data.lower()``
-    #: (the same length as ``data``, so a match's span is the echo's).
-    folded: re.Pattern[bytes]
-    #: Its base64 runs (case matters in base64): matched in ``data`` itself; None if too short.
-    exact: re.Pattern[bytes] | None
-    #: (literal, whether it is looked for in ``data.lower()``): every match holds one of them.
-    probes: tuple[tuple[bytes, bool], ...]
+    pattern: re.Pattern[bytes]
+    #: A literal every match holds (the longest stretch no encoding changes), looked for first.
+    probe: bytes
+    #: Matched (and probed) in ``data.lower()``, the same length as ``data`` so a span carries
+    #: over: the needle's ASCII letters in any case. Base64 is matched as it is (case matters).
+    folded: bool
 
 
 # Kept for the secrets in use (a rotation adds one); they are in this process's memory anyway.
 @functools.lru_cache(maxsize=256)
-def _spellings(needle: bytes) -> _Spellings:
+def _spellings(needle: bytes) -> tuple[_Form, ...]:
     """How an upstream that echoes ``needle`` may spell it:
 
     - its ASCII letters in any case, and every character that an encoding changes as sent,
@@ -250,23 +251,20 @@ def _spellings(needle: bytes) -> _Spellings:
       characters or more. The character either side of a run holds a few bits of the needle's
       first or last byte (at most four) and is left as it is.
 
-    Probes are the longest run of letters, digits and ``-_.`` of each form: no encoding above
-    changes them, so a body without any probe holds no echo."""
+    Each form's probe is its longest stretch of letters, digits and ``-_.``: no encoding above
+    changes them, so a body without the probe holds no echo in that form."""
     low = needle.lower()  # ASCII letters only, as bytes.lower() folds the data
     try:
         source, probe = _spelled(low.decode("utf-8"))
     except UnicodeDecodeError:
         source, probe = re.escape(low), low
-    folded, probes = [source], [(probe, True)]
+    forms = [_Form(re.compile(source), probe, True)]
     if 2 * len(needle) >= MIN_ENCODED_RUN:
-        folded.append(needle.hex().encode())
-        probes.append((needle.hex().encode(), True))
-    exact = []
+        forms.append(_Form(re.compile(needle.hex().encode()), needle.hex().encode(), True))
     for run in _base64_runs(needle):
         source, probe = _spelled(run.decode("ascii"))
-        exact.append(source)
-        probes.append((probe, False))
-    return _Spellings(re.compile(b"|".join(folded)), re.compile(b"|".join(exact)) if exact else None, tuple(probes))
+        forms.append(_Form(re.compile(source), probe, False))
+    return tuple(forms)
 
 
 def _spelled(text: str) -> tuple[bytes, bytes]:
