@@ -154,20 +154,63 @@ def redaction_needles(credential: Credential, header_value: str) -> list[bytes]:
 
 
 def redact(data: bytes, needles: list[bytes]) -> tuple[bytes, bool]:
-    """Replace every occurrence of a needle, however an echo spells it (see :func:`_spellings`);
-    returns (bytes, whether anything was replaced)."""
+    """Replace every echo of a needle, however an upstream spelled it (see :func:`_spellings`);
+    returns (bytes, whether anything was replaced). Longer needles first (the whole header value
+    before the secret inside it); a spelling's pattern runs only if its probe is in ``data``."""
+    if not data or not needles:
+        return data, False
+    present = _present(data, needles)
     changed = False
     for needle in needles:
-        spelled = _spellings(needle)
-        if spelled is None:
-            if needle in data:
-                data = data.replace(needle, b"[REDACTED]")
-                changed = True
-        else:
-            data, found = spelled.subn(b"[REDACTED]", data)
-            changed = changed or found > 0
+        forms = present.get(needle)
+        if not forms:
+            continue
+        folded = data.lower() if any(form.folded for form in forms) else data
+        spans = [m.span() for form in forms for m in form.pattern.finditer(folded if form.folded else data)]
+        if spans:
+            data, changed = _replaced(data, spans), True
     return data, changed
 
+
+def _present(data: bytes, needles: list[bytes]) -> dict[bytes, list[_Form]]:
+    """Each needle's spellings whose probe ``data`` holds: a plain search for each, the common path.
+    Shortest needle first, so that a probe holding one already found absent (the header value's
+    holds the secret's) is known absent without a search of its own."""
+    folded: bytes | None = None
+    absent: list[tuple[bytes, bool]] = []
+    present: dict[bytes, list[_Form]] = {}
+    for needle in sorted(needles, key=len):
+        for form in _spellings(needle):
+            if any(f == form.folded and a in form.probe for a, f in absent):
+                continue
+            if form.folded and folded is None:
+                folded = data.lower()
+            if form.probe in (folded if form.folded else data):
+                present.setdefault(needle, []).append(form)
+            else:
+                absent.append((form.probe, form.folded))
+    return present
+
+
+def _replaced(data: bytes, spans: list[tuple[int, int]]) -> bytes:
+    """``data`` with each span replaced; spans that overlap become one ``[REDACTED]``."""
+    out, pos = [], 0
+    for start, end in sorted(spans):
+        if start < pos:
+            pos = max(pos, end)
+            continue
+        out += (data[pos:start], b"[REDACTED]")
+        pos = end
+    out.append(data[pos:])
+    return b"".join(out)
+
+
+#: The shortest base64 or hex run of a needle that is looked for: 16 characters are 96 bits in
+#: base64 and 64 in hex, so arbitrary text of that alphabet holds one of a needle's runs by chance
+#: about once in 2**70 (base64: six runs) or 2**41 (hex) bodies of 8 MiB; a false match would
+#: corrupt a body the agent receives. Base64 takes a needle of 13 bytes or more (each of its
+#: three runs is then 16 characters at least); hex one of 8 bytes or more.
+MIN_ENCODED_RUN = 16
 
 #: Bytes the encodings an echo may go through leave as they are (``~`` is not one: PHP's
 #: urlencode and Java's URLEncoder write it ``%7E``).
@@ -175,43 +218,97 @@ _PLAIN = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456
 #: HTML's named references; numeric ones (``&#43;``, ``&#x2B;``, ``&#039;``) are matched for every
 #: character an encoder changes (not for letters, digits and ``-_.``, which no encoder spells so).
 _HTML = {'"': (b"&quot;",), "&": (b"&amp;",), "'": (b"&apos;",), "<": (b"&lt;",), ">": (b"&gt;",)}
+_URL_SAFE = bytes.maketrans(b"+/", b"-_")
+
+
+@dataclass(frozen=True, slots=True)
+class _Form:
+    """One way an echo of a needle may be spelled."""
+
+    pattern: re.Pattern[bytes]
+    #: A literal every match holds (the longest stretch no encoding changes), looked for first.
+    probe: bytes
+    #: Matched (and probed) in ``data.lower()``, the same length as ``data`` so a span carries
+    #: over: the needle's ASCII letters in any case. Base64 is matched as it is (case matters).
+    folded: bool
 
 
 # Kept for the secrets in use (a rotation adds one); they are in this process's memory anyway.
 @functools.lru_cache(maxsize=256)
-def _spellings(needle: bytes) -> re.Pattern[bytes] | None:
-    """A pattern for ``needle`` as an upstream that echoes it may spell it: every character that
-    an encoding changes may appear as sent, percent-encoded (either case; a space also as ``+``),
-    JSON-escaped (``\\"``, ``\\/``, ``\\uXXXX`` in either case, as Python's, Go's and PHP's encoders
-    write them) or as an HTML character reference (named, or numeric in decimal or hex, with any
-    leading zeros), each on its own (an encoder escapes some characters and not others). None when
-    no encoding changes it: a plain search finds every echo."""
+def _spellings(needle: bytes) -> tuple[_Form, ...]:
+    """How an upstream that echoes ``needle`` may spell it:
+
+    - its ASCII letters in any case, and every character that an encoding changes as sent,
+      percent-encoded once or any number of times over (``%40``, ``%2540``, ``%252540``; hex
+      digits in either case; a space also as ``+``, ``%2B``...), JSON-escaped (``\\"``, ``\\/``,
+      ``\\uXXXX``, as Python's, Go's and PHP's encoders write them) or as an HTML character
+      reference (named, or numeric in decimal or hex, with any leading zeros), each on its own
+      (an encoder escapes some characters and not others);
+    - the hex of its bytes, in any case, if that is :data:`MIN_ENCODED_RUN` digits or more;
+    - its base64 inside a longer base64 text: for each of the three alignments, the run of
+      characters that depend on its bytes alone, in the standard and the URL-safe alphabet (a
+      ``+`` or ``/`` in it also escaped as above), if each run is :data:`MIN_ENCODED_RUN`
+      characters or more. The character either side of a run holds a few bits of the needle's
+      first or last byte (at most four) and is left as it is.
+
+    Each form's probe is its longest stretch of letters, digits and ``-_.``: no encoding above
+    changes them, so a body without the probe holds no echo in that form."""
+    low = needle.lower()  # ASCII letters only, as bytes.lower() folds the data
     try:
-        text = needle.decode("utf-8")
+        source, probe = _spelled(low.decode("utf-8"))
     except UnicodeDecodeError:
-        return None
-    if all(b in _PLAIN for b in needle):
-        return None
-    parts = []
+        source, probe = re.escape(low), low
+    forms = [_Form(re.compile(source), probe, True)]
+    if 2 * len(needle) >= MIN_ENCODED_RUN:
+        forms.append(_Form(re.compile(needle.hex().encode()), needle.hex().encode(), True))
+    for run in _base64_runs(needle):
+        source, probe = _spelled(run.decode("ascii"))
+        forms.append(_Form(re.compile(source), probe, False))
+    return tuple(forms)
+
+
+def _spelled(text: str) -> tuple[bytes, bytes]:
+    """(pattern, longest run of bytes it matches only as they are) for ``text`` with each
+    character an encoding changes in any of its encoded forms (see :func:`_spellings`)."""
+    parts, runs, run = [], [], b""
     for char in text:
         raw = char.encode("utf-8")
         if raw[0] in _PLAIN:
             parts.append(re.escape(raw))
+            run += raw
             continue
+        runs.append(run)
+        run = b""
         forms = {raw}
+        # Hex digits in either case, each on its own (an encoder may mix them within a character);
+        # each %25 more is one more round of percent-encoding.
+        percent = [b"".join(b"%%(?:25)*(?i:%02x)" % b for b in raw)]
         if char == " ":
             forms.add(b"+")
+            percent.append(b"%(?:25)*(?i:2b)")
         if char in '"\\/':
             forms.add(b"\\" + raw)
         forms.update(_HTML.get(char, ()))
         literal = [re.escape(f) for f in sorted(forms, key=len, reverse=True)]
         units = char.encode("utf-16-be")
-        # Hex digits in either case, each on its own (an encoder may mix them within a character).
-        percent = b"".join(b"%%(?i:%02x)" % b for b in raw)
         escaped = b"".join(b"\\\\u(?i:%s)" % units[i:i + 2].hex().encode() for i in range(0, len(units), 2))
         numeric = [b"&\\#0*%d;" % ord(char), b"&\\#[xX]0*(?i:%x);" % ord(char)]
-        parts.append(b"(?:" + b"|".join([*literal, percent, escaped, *numeric]) + b")")
-    return re.compile(b"".join(parts))
+        parts.append(b"(?:" + b"|".join([*literal, *percent, escaped, *numeric]) + b")")
+    runs.append(run)
+    return b"".join(parts), max(runs, key=len)
+
+
+def _base64_runs(needle: bytes) -> list[bytes]:
+    """The base64 characters that depend on ``needle``'s bytes alone, with 0, 1 or 2 bytes before
+    it (modulo 3) in the text encoded, in both alphabets; none if one is under :data:`MIN_ENCODED_RUN`."""
+    runs = []
+    for before in range(3):
+        first = -(-8 * before // 6)  # the first character with no bit of the bytes before
+        end = 8 * (before + len(needle)) // 6  # the characters after it hold bits of the bytes after
+        runs.append(base64.b64encode(bytes(before) + needle)[first:end])
+    if min(map(len, runs)) < MIN_ENCODED_RUN:
+        return []
+    return sorted({spelled for run in runs for spelled in (run, run.translate(_URL_SAFE))}, key=len, reverse=True)
 
 
 def redact_body(body: bytes, content_encoding: str | None, needles: list[bytes], limit: int) -> tuple[bytes, bool, str | None]:

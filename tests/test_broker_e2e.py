@@ -27,7 +27,7 @@ from tests.conftest import BrokerFactory, standard_routes
 from tests.support.canaries import CANARIES
 from tests.support.broker import BrokerProcess, big_answer_over_http1
 from tests.support.envelopes import check_envelope
-from tests.support.hostile import HostileUpstream
+from tests.support.hostile import HostileUpstream, reencodings
 from tests.support.journal import dispatched_ids, dump_journal, query
 
 PAYMENTS = "https://api.payments.test"
@@ -865,6 +865,60 @@ def test_an_echo_outside_the_body_and_header_values_is_redacted_too(broker: Brok
         return
     # The reason phrase is not part of the stored result; everything else was stored redacted.
     assert committed["data"].get("redacted") is (True if into != "reason" else None), committed
+
+
+def _reencoded(secret: str) -> list[str]:
+    """What must not survive of a re-encoded echo: each form :func:`reencodings` makes, also
+    JSON-escaped, and the middle of each base64 form (4 characters off each end: those may
+    depend on the bytes either side of the secret, which are not its own)."""
+    forms = list(reencodings(secret).values())
+    for before in (b"", b"x", b"xy"):
+        for encode in (base64.b64encode, base64.urlsafe_b64encode):
+            forms.append(encode(before + secret.encode()).decode()[4:-4])
+    return sorted({f for form in forms for f in (form, json.dumps(form)[1:-1])})
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_an_echo_the_upstream_reencoded_is_redacted_everywhere(make_broker, upstream: HostileUpstream, dialect: str):
+    """A careless upstream re-encodes the credential it received (base64 in a debug field, a hex
+    dump, an upper-cased header, a URL percent-encoded twice), in headers, a ``Location`` and a
+    body, gzipped or not, on a Bearer and a Basic route: neither the agent, nor the record, nor
+    the stored result, nor the journal, nor the log holds any of those forms."""
+    broker = make_broker(dialect, env={"PAYMENTS_KEY": SPECIAL_KEY})
+    offset = len(broker.logs())
+    token = base64.b64encode(f"svc:{CANARIES['BASIC_KEY']}".encode()).decode()
+    seen: list[str] = []
+    for url, coding in [(f"{PAYMENTS}/h/reencode", None), (f"{PAYMENTS}/h/reencode?encode=gzip", "gzip"),
+                        ("https://basic.example.test/h/reencode?encode=gzip", "gzip")]:
+        with broker.client() as client:
+            with client.stream("GET", url) as r:
+                raw = b"".join(r.iter_raw())
+        assert r.status_code == 200 and r.headers["affidavit-outcome"] == "committed", raw[:400]
+        assert r.headers.get("content-encoding") == coding
+        body = gzip.decompress(raw) if coding else raw
+        debug = json.loads(body)["debug"]
+        assert len(debug) == len(reencodings("any")) * (2 if "basic" in url else 1) and all("[REDACTED]" in v for v in debug.values()), debug
+        for name in ("x-debug-authorization", "x-token-hex", "x-token"):
+            assert "[REDACTED]" in r.headers[name], (name, r.headers[name])
+        assert r.headers["location"] == "/next?token=[REDACTED]"
+        invocation_id = r.headers["affidavit-invocation-id"]
+        record = broker.wait_for(invocation_id, lambda rec: rec["stage"] == "delivered")
+        assert record["evidence"]["location"] == "/next?token=[REDACTED]"
+        assert next(e for e in record["events"] if e["kind"] == "RESULT_COMMITTED")["data"]["redacted"] is True
+        with broker.api() as api:
+            result = api.get(f"/v1/invocations/{invocation_id}/result")  # httpx undoes the gzip
+        assert result.status_code == 200 and json.loads(result.content)["debug"] == debug, "stored as delivered"
+        seen += [raw.decode("latin-1"), body.decode("latin-1"), json.dumps(list(r.headers.items())), json.dumps(record),
+                 result.content.decode("latin-1"), json.dumps(list(result.headers.items()))]
+    received = [e.header("Authorization") for e in upstream.received[-3:]]
+    assert received == [f"Bearer {SPECIAL_KEY}"] * 2 + [f"Basic {token}"], "the upstream got the real ones"
+    journal = dump_journal(broker.database_url)
+    assert "[REDACTED]" in journal, "the uncompressed answer is in the journal, redacted"
+    seen += [journal, broker.logs()[offset:]]
+    for secret in (SPECIAL_KEY, token, CANARIES["BASIC_KEY"]):
+        for form in _reencoded(secret):
+            for text in seen:
+                assert form not in text, (secret, form, text[:300])
 
 
 def test_a_websocket_handshake_is_refused_before_anything_is_sent(broker: BrokerProcess, upstream: HostileUpstream):

@@ -3,6 +3,7 @@ broker-level proof is in test_broker_e2e)."""
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 import re
@@ -173,9 +174,171 @@ def test_a_secret_too_short_to_be_found_is_never_injected(monkeypatch):
 
 
 def test_a_secret_no_encoding_changes_is_looked_for_as_it_is_and_other_bytes_are_left_alone():
-    assert _spellings(SECRET) is None, "letters, digits and -_.: one plain search"
+    plain = _spellings(SECRET)[0]
+    assert (plain.probe, plain.folded) == (SECRET, True), "letters, digits and -_.: one plain search (lower-cased)"
     # PHP's urlencode and Java's URLEncoder write ~ as %7E: a token with one is looked for spelled so too.
     assert redact(b"x=tok%7Eabcdef123&y=1", [b"tok~abcdef123"]) == (b"x=[REDACTED]&y=1", True)
-    near = SPECIAL.replace("q", "Q")  # one byte off is not the secret, in any spelling
-    body = json.dumps({"a": near, "b": urllib.parse.quote(near)}).encode()
+    near = SPECIAL.replace("q", "g")  # one byte off is not the secret, in any spelling
+    body = json.dumps({"a": near, "b": urllib.parse.quote(near), "c": near.upper(), "d": near.encode().hex(),
+                       "e": base64.b64encode(near.encode()).decode()}).encode()
     assert redact(body, [SPECIAL.encode()]) == (body, False)
+
+
+# ---------------------------------------------------------------- re-encoded echoes
+# A careless upstream re-encodes what it echoes: the request's headers in a base64 debug field,
+# a hex dump, an upper-cased header, a URL percent-encoded twice.
+
+#: A typical API key: letters, digits and _ (its spelling needs no escapes).
+TOKEN = "sk_live_4eC39HqLyjWDarjtT1zdp7dc"
+#: One whose base64 holds + and / at every alignment (bytes >= 0xF8 and ? > ~).
+TOKEN_BASE64_SIGNS = "tok\u00ff\u00fe?>~~~>>>???_0123456789"
+
+
+def _b64(data: bytes, urlsafe: bool) -> str:
+    return (base64.urlsafe_b64encode if urlsafe else base64.b64encode)(data).decode()
+
+
+def _kept(redacted: bytes) -> list[bytes]:
+    """What is left either side of the [REDACTED] markers."""
+    return redacted.split(b"[REDACTED]")
+
+
+@pytest.mark.parametrize("urlsafe", [False, True], ids=["standard", "url-safe"])
+@pytest.mark.parametrize("before", [b"", b"a", b"ab", b"abc", b"Authorization: Bearer "])
+@pytest.mark.parametrize("secret", [TOKEN, TOKEN_BASE64_SIGNS])
+def test_base64_of_the_secret_is_found_at_every_alignment_in_both_alphabets(secret: str, before: bytes, urlsafe: bool):
+    """Inside a longer base64 text the secret may start at any byte (0, 1 or 2 bytes before it
+    modulo 3): the characters that depend on its bytes alone are found, padded or not, and at
+    most one character either side is left (a few bits of the first and last byte)."""
+    raw = secret.encode()
+    if secret == TOKEN_BASE64_SIGNS:  # it exercises both alphabets: + and / at every alignment
+        assert all(b"+" in base64.b64encode(b + raw)[4:-4] and b"/" in base64.b64encode(b + raw)[4:-4] for b in (b"", b"a", b"ab"))
+    for after in (b"", b"!", b"!?", b' "rest"'):
+        encoded = _b64(before + raw + after, urlsafe)
+        for spelled in (encoded, encoded.rstrip("="), json.dumps(encoded)[1:-1].replace("/", "\\/"),
+                        urllib.parse.quote(encoded, safe="")):
+            body = json.dumps({"debug": "x"}).encode().replace(b'"x"', b'"' + spelled.encode() + b'"')
+            redacted, changed = redact(body, [raw])
+            assert changed and redacted.count(b"[REDACTED]") == 1, (spelled, redacted)
+            head, tail = (urllib.parse.unquote(part.decode()).replace("\\/", "/") for part in _kept(redacted))
+            # What is left is what encodes the bytes either side (4 characters per 3) and at most one more.
+            assert len(head.removeprefix('{"debug": "')) <= -(-len(before) * 4 // 3) + 1, redacted
+            assert len(tail.removesuffix('"}').rstrip("=")) <= -(-len(after) * 4 // 3) + 1, redacted
+
+
+def test_the_basic_token_stays_replaced_whole_and_the_password_inside_is_found_in_base64_too():
+    """The Basic value is base64 of user:secret: its token is a needle as it always was (the
+    secret's own base64 run sits inside it and must not break it up)."""
+    from proxy.config import Injection
+    from proxy.credentials import injected_header
+
+    credential = Credential("key", "env", TOKEN)
+    name, value = injected_header(Injection(basic="svc"), credential)
+    token = value.removeprefix("Basic ")
+    needles = redaction_needles(credential, value)
+    echo = json.dumps({"authorization": value, "token": token, "lower": token.lower(), "hex": token.encode().hex(),
+                       "other user": base64.b64encode(f"admin:{TOKEN}".encode()).decode()}).encode()
+    redacted, changed = redact(echo, needles)
+    assert changed
+    assert json.loads(redacted) == {"authorization": "[REDACTED]", "token": "[REDACTED]", "lower": "[REDACTED]",
+                                    "hex": "[REDACTED]", "other user": "YWRtaW46[REDACTED]M="}, redacted
+
+
+@pytest.mark.parametrize("spell", [bytes.hex, lambda b: b.hex().upper(),
+                                   lambda b: "".join(c.upper() if i % 3 else c for i, c in enumerate(b.hex()))],
+                         ids=["lower", "upper", "mixed"])
+def test_hex_of_the_secret_is_found_in_any_case(spell):
+    for secret in (TOKEN, SPECIAL):
+        raw = secret.encode()
+        dump = (b"\x00\x01log" + raw + b"\n").hex()
+        hexed = spell(raw)
+        body = f"dump={dump[:10]}{hexed}{dump[-4:]} id={hexed}".encode()
+        redacted, changed = redact(body, [raw])
+        assert changed and redacted == f"dump={dump[:10]}[REDACTED]{dump[-4:]} id=[REDACTED]".encode(), redacted
+
+
+@pytest.mark.parametrize("change", [str.upper, str.lower, str.swapcase, str.title])
+def test_the_secret_with_its_letters_in_another_case_is_found_in_every_spelling(change):
+    """An upstream that upper-cases a header value still hands over all but a bit per letter.
+    ASCII letters only (an é upper-cased is other bytes, and stays so)."""
+
+    def case(text: str) -> str:
+        return "".join(change(c) if c.isascii() else c for c in text) if change is not str.title else \
+            "".join(c.upper() if c.isascii() and i % 4 == 0 else c for i, c in enumerate(text))
+
+    needles = redaction_needles(Credential("key", "v1", SPECIAL), f"Bearer {SPECIAL}")
+    for spelled in (case(SPECIAL), json.dumps(case(SPECIAL))[1:-1], urllib.parse.quote(case(SPECIAL)),
+                    html.escape(case(SPECIAL)), case(f"Bearer {SPECIAL}")):
+        redacted, changed = redact(b"seen: " + spelled.encode() + b";", needles)
+        assert changed and redacted == b"seen: [REDACTED];", (spelled, redacted)
+    assert redact(case(TOKEN).encode(), [TOKEN.encode()]) == (b"[REDACTED]", True)
+
+
+@pytest.mark.parametrize("how", [
+    "twice", "three times", "twice, lower-case hex", "form-encoded, then percent-encoded", "form-encoded twice"])
+def test_a_secret_percent_encoded_more_than_once_is_found(how: str):
+    """A URL holding the token encoded again (a redirect's ``next=``, a proxy that encodes the
+    whole URL): every ``%`` becomes ``%25``, as often as it was encoded."""
+    once = urllib.parse.quote(SPECIAL, safe="")
+    spelled = {
+        "twice": urllib.parse.quote(once, safe=""),
+        "three times": urllib.parse.quote(urllib.parse.quote(once, safe=""), safe=""),
+        "twice, lower-case hex": re.sub("%[0-9A-F]{2}", lambda m: m.group().lower(), urllib.parse.quote(once, safe="")),
+        "form-encoded, then percent-encoded": urllib.parse.quote(urllib.parse.quote_plus(SPECIAL), safe=""),
+        "form-encoded twice": urllib.parse.quote_plus(urllib.parse.quote_plus(SPECIAL)),
+    }[how]
+    assert "%25" in spelled
+    redacted, changed = redact(f"next=%2Fcb%3Ftoken%3D{spelled}&x=1".encode(), [SPECIAL.encode()])
+    assert changed and redacted == b"next=%2Fcb%3Ftoken%3D[REDACTED]&x=1", redacted
+
+
+def test_a_near_miss_is_not_redacted_in_any_encoding():
+    """One character off (not merely its case) is another value: none of its encodings is touched."""
+    near = TOKEN[:16] + "x" + TOKEN[17:]  # (the last byte's low bits are in no base64 run of the secret)
+    assert near != TOKEN
+    raw = near.encode()
+    forms = [near, near.upper(), raw.hex(), raw.hex().upper(), urllib.parse.quote(urllib.parse.quote(near))]
+    forms += [_b64(before + raw, urlsafe) for before in (b"", b"a", b"ab") for urlsafe in (False, True)]
+    body = json.dumps(forms).encode()
+    assert redact(body, [TOKEN.encode()]) == (body, False)
+
+
+def test_a_secret_too_short_for_its_encoded_forms_does_not_touch_base64_or_hex_text():
+    """Below MIN_ENCODED_RUN characters a base64 or hex run could turn up in a large body by
+    chance (an image, hashes): a body the agent receives would be corrupted. So the base64 of a
+    secret is looked for from 13 bytes on (each alignment's run is 16 characters), its hex from
+    8 bytes on; the secret itself always."""
+    import random
+
+    rng = random.Random(4)
+    for length, encoded_found in ((12, False), (13, True)):
+        secret = bytes(rng.choice(b"abcdefghijkmnopqrstuvwxyz0123456789") for _ in range(length))
+        blob = base64.b64encode(rng.randbytes(300) + secret + rng.randbytes(300))
+        redacted, changed = redact(blob, [secret])
+        assert changed is encoded_found and (b"[REDACTED]" in redacted) is encoded_found, (length, redacted)
+    for length, encoded_found in ((7, False), (8, True)):
+        secret = bytes(rng.choice(b"abcdefghijkmnopqrstuvwxyz0123456789") for _ in range(length))
+        blob = (rng.randbytes(300) + secret + rng.randbytes(300)).hex().encode()
+        redacted, changed = redact(blob, [secret])
+        assert changed is encoded_found, (length, redacted)
+    # A 4-character secret (the shortest injected) inside random base64: its few characters of
+    # base64 are there, and left alone; the secret itself is still found as it is.
+    short = b"k7Qx"
+    run = base64.b64encode(short)[:5]
+    blob = base64.b64encode(rng.randbytes(3000)) + run + base64.b64encode(rng.randbytes(3000))
+    assert redact(blob, [short]) == (blob, False)
+    assert redact(b"a=K7QX", [short]) == (b"a=[REDACTED]", True)
+
+
+def test_an_echo_in_several_encodings_at_once_inside_a_compressed_body_is_found():
+    needles = redaction_needles(Credential("key", "v1", TOKEN), f"Bearer {TOKEN}")
+    raw = TOKEN.encode()
+    echo = json.dumps({"b64": base64.b64encode(b"Authorization: Bearer " + raw).decode(), "hex": raw.hex(),
+                       "upper": TOKEN.upper(), "url": base64.urlsafe_b64encode(b"x" + raw).decode()}).encode()
+    for coding in ("gzip", "deflate", "zstd"):
+        body, changed, problem = redact_body(encoding.encode(echo, coding), coding, needles, 1 << 20)
+        plain = encoding.decode(body, coding)
+        assert changed and problem is None, plain
+        fields = json.loads(plain)
+        assert fields["hex"] == fields["upper"] == "[REDACTED]" and all("[REDACTED]" in v for v in fields.values()), fields
+        assert TOKEN.upper().encode() not in plain.upper()

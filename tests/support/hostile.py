@@ -15,6 +15,7 @@ exactly when it applies the effect.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import socket
@@ -662,6 +663,21 @@ class HostileUpstream:
         await conn.send(_response(status, body, headers, close=close, reason=reason))
         return not close
 
+    async def _b_reencode(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
+        """Effect, then a 200 that carries the credential it received re-encoded, as a careless
+        upstream's debug output does (see :func:`reencodings`): in headers, in a ``Location``
+        and in a JSON body (``?encode=`` applies). The credential is the ``Authorization`` value
+        after its scheme, and for ``Basic`` also the password inside it."""
+        scheme, _, value = (entry.header("Authorization") or "").partition(" ")
+        seen = [value]
+        if scheme.lower() == "basic":
+            seen.append(base64.b64decode(value).decode().partition(":")[2])
+        forms = {f"{i}:{name}": text for i, secret in enumerate(seen) for name, text in reencodings(secret).items()}
+        first = reencodings(seen[-1])
+        headers = [("X-Debug-Authorization", first["base64 of the header line"]), ("X-Token-Hex", first["hex, upper case"]),
+                   ("X-Token", first["upper case"]), ("Location", f"/next?token={first['percent-encoded twice']}")]
+        return await self._send(conn, entry, 200, _json({"effects": self._apply(entry), "debug": forms}), headers)
+
     async def _b_hang(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
         """Effect after the whole request; never answers; holds until client close or stop()."""
         self._apply(entry)
@@ -777,6 +793,26 @@ class HostileUpstream:
 
 
 #: Every behaviour name, for tests that want to iterate over them.
+def reencodings(secret: str) -> dict[str, str]:
+    """The credential as a careless upstream re-encodes it: base64 (both alphabets) with 0, 1
+    or 2 bytes before it, alone and inside the echoed header line; hex in both cases; the secret
+    upper- and lower-cased; percent-encoded twice and three times over."""
+    raw = secret.encode()
+    forms = {}
+    for before in (b"", b"x", b"xy"):
+        forms[f"base64 after {len(before)} bytes"] = base64.b64encode(before + raw + b"!").decode()
+        forms[f"URL-safe base64 after {len(before)} bytes"] = base64.urlsafe_b64encode(before + raw).decode().rstrip("=")
+    forms["base64 of the header line"] = base64.b64encode(b"Authorization: Bearer " + raw).decode()
+    forms["hex"] = raw.hex()
+    forms["hex, upper case"] = raw.hex().upper()
+    forms["upper case"] = secret.upper()
+    forms["lower case"] = secret.lower()
+    forms["percent-encoded twice"] = urllib.parse.quote(urllib.parse.quote(secret, safe=""), safe="")
+    forms["form-encoded, then percent-encoded"] = urllib.parse.quote(urllib.parse.quote_plus(secret), safe="")
+    forms["percent-encoded three times"] = urllib.parse.quote(forms["percent-encoded twice"], safe="")
+    return forms
+
+
 BEHAVIOURS: tuple[str, ...] = tuple(sorted(n[3:] for n in vars(HostileUpstream) if n.startswith("_b_")))
 
 
