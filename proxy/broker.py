@@ -1210,7 +1210,7 @@ class Broker:
         if refused is Code.JOURNAL_UNAVAILABLE:
             # Its DISPATCH_STARTED write failed and may have landed: as for a caller still waiting
             # (:meth:`_answer`), the record is closed once the journal answers, by what it holds.
-            self._spawn(self._close_when_journal_returns(entry.invocation_id, answered=False))
+            self._spawn(self._close_when_journal_returns(entry, answered=False))
             return
         if refused is Code.LEASE_LOST:
             return  # another broker owns the record now: this one can write nothing to it (see _lease_lost)
@@ -1297,11 +1297,12 @@ class Broker:
         message = settled.message or _message(code, record.outcome)
         return self._envelope_reply(entry, code, record.phase, record.outcome, retry, message)
 
-    async def _close_when_journal_returns(self, invocation_id: str, *, answered: bool = True) -> None:
-        """End, by appending, a record whose dispatch write the journal refused; this broker sent
-        nothing. If DISPATCH_STARTED did land (an ambiguous commit), the record says unknown.
-        ``answered``: the caller got the 503 (else it had left, and the record says so if it does
-        not yet)."""
+    async def _close_when_journal_returns(self, refused: InvocationLog, *, answered: bool = True) -> None:
+        """End, by appending, the record of ``refused``, whose dispatch write (or the end after
+        it) the journal refused; this broker sent nothing. If DISPATCH_STARTED did land (an
+        ambiguous commit), the record says unknown. ``answered``: the caller got the 503 (else it
+        had left, and the record says so if it does not yet)."""
+        invocation_id = refused.invocation_id
         deadline = time.monotonic() + self.settings.upstream.result_horizon
         while time.monotonic() < deadline:
             await asyncio.sleep(1.0)
@@ -1312,8 +1313,11 @@ class Broker:
                 _, events = await queries.events_of(self.journal.engine, invocation_id, self.journal.decode_payload)
                 record = project(events)
                 if record.ended:
-                    # A re-send refused so ends with the earlier attempt's end on the record; its
-                    # lease would keep repeats at IDEMPOTENCY_IN_PROGRESS until it ran out.
+                    # The refused write may have been the end itself, landed unconfirmed: reported
+                    # now, as any end the journal holds. Or a re-send refused so ends with the
+                    # earlier attempt's end on the record; its lease would keep repeats at
+                    # IDEMPOTENCY_IN_PROGRESS until it ran out.
+                    await refused.settle_landed()
                     await leases.release_lease(self.journal.engine, invocation_id, row["generation"], self.owner)
                     return
                 if record.stage is Stage.HELD:
@@ -1550,7 +1554,7 @@ class Broker:
         ends that record once the journal takes writes again."""
         invocation_id = entry.invocation_id if entry is not None and entry.durable else None
         if entry is not None:  # even a failed commit may have landed: look once the journal answers
-            self._spawn(self._close_when_journal_returns(entry.invocation_id))
+            self._spawn(self._close_when_journal_returns(entry))
         # This attempt's DISPATCH_STARTED was the write refused, and may have landed.
         unconfirmed = entry is not None and entry.record.stage is Stage.DISPATCHED
         if message is None and invocation_id is None:

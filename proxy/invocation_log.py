@@ -354,6 +354,16 @@ class InvocationLog:
                 self._last = _done()  # it had landed: the next write goes after it, not after its refusal
             self._confirmed(write)
 
+    async def settle_landed(self) -> None:
+        """Confirm, oldest first, the failed writes the database holds after all (their commits
+        landed unconfirmed), and stop at the first it does not: it writes nothing. For a record
+        another path has found ended; an end of this log's among them is reported now.
+        Raises :class:`JournalUnavailable` when the read fails."""
+        for write in [w for w in self._unconfirmed if _failed(w)]:
+            if not await self._stored(write):
+                return
+            self._confirmed(write)
+
     def _confirmed(self, write: Write) -> None:
         """``write`` is durable now. Its committer may have woken first and pruned it already
         (:meth:`_next_write` drops the durable ones), so it may be gone."""

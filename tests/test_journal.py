@@ -674,6 +674,33 @@ def test_an_end_is_logged_and_counted_once_the_journal_holds_it_and_never_when_i
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("land", [True, False])
+def test_settling_a_refused_end_reports_it_only_if_it_landed_and_writes_nothing(db, caplog, land):
+    """The broker found the record ended after its end's write was refused (it closes such
+    records once the journal answers): an end that landed unconfirmed is reported then; one that
+    did not is neither reported nor written."""
+    caplog.set_level(logging.INFO, logger="affidavit.invocations")
+
+    async def scenario() -> list[int]:
+        journal = Journal(make_engine(db), writer="w1", defer_at_most=0.01)
+        await journal.start()
+        entry = _accepted(journal)
+        await entry.commit()
+        _failed_once(journal, land=land)
+        entry.append(EventKind.FAILED, phase=Phase.VALIDATION, code="INVALID_TARGET")
+        with pytest.raises(JournalUnavailable):
+            await entry.commit()
+        await entry.settle_landed()
+        await entry.settle_landed()
+        _, stored = await queries.events_of(journal.engine, entry.invocation_id, journal.decode_payload)
+        await journal.close()
+        await journal.engine.dispose()
+        assert _ends_reported(caplog, entry.invocation_id) == ([None] if land else [])
+        return [e.seq for e in stored]
+
+    assert asyncio.run(scenario()) == ([1, 2] if land else [1])
+
+
 def test_a_write_sent_alone_is_a_batch_of_its_own(db):
     async def scenario() -> None:
         journal = Journal(make_engine(db), writer="w1")
