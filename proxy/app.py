@@ -27,7 +27,7 @@ from . import logs
 from .addon import AgentAuth, BrokerAddon, install_caller_watch, install_core_refusals
 from .api import BoundedHead, create_app
 from .broker import Broker
-from .config import ConfigError, Settings, parse_listen
+from .config import ConfigError, Settings, parse_listen, redact_url
 from .credentials import CredentialUnavailable, Credentials, read_source
 from .deadlines import RequestClocks
 from .crypto import KeyRing
@@ -534,12 +534,6 @@ def banner(settings: Settings) -> str:
         *(f"  {line}" for line in env_lines(settings, agent)),
     ]
     return "\n".join(lines)
-
-
-def redact_url(url: str) -> str:
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
 
 
 def run(settings: Settings, worker: int | None = None) -> int:

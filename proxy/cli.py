@@ -147,7 +147,8 @@ def ca(config: ConfigOption = None, pem: Annotated[bool, typer.Option(help="Prin
 @db_app.command("upgrade")
 def db_upgrade(config: ConfigOption = None) -> None:
     """Bring the journal's schema to the version this broker needs."""
-    from .app import redact_url, schema_revision
+    from .app import schema_revision
+    from .config import redact_url
     from .store import migrate
 
     settings = settings_or_exit(config)

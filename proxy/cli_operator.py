@@ -93,7 +93,7 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
     except Exception as exc:
         if isinstance(exc, typer.Exit):
             raise
-        from .app import redact_url
+        from .config import redact_url
         from .crypto import DecryptError, UnknownKeyId
         from .store.journal import brief
 

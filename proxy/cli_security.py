@@ -19,7 +19,7 @@ import typer
 from sqlalchemy.exc import SQLAlchemyError
 
 from .cli_operator import ConfigOption, defaults_notice, settings_or_exit, with_engine
-from .config import ConfigError, load_settings
+from .config import ConfigError, load_settings, redact_url
 from .credentials import CredentialUnavailable
 
 T = TypeVar("T")
@@ -47,17 +47,6 @@ def _keys() -> None:
 def _fail(message: str, code: int = 1) -> NoReturn:
     typer.echo(f"affidavit: {message}", err=True)
     raise typer.Exit(code)
-
-
-def redact_url(url: str) -> str:
-    """The URL with any password masked, fit for messages."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:  # not a URL at all: show nothing of it
-        return "the given database"
 
 
 def _with_engine(url: str, work: Callable[[Any], Awaitable[T]]) -> T:

@@ -539,3 +539,21 @@ def _key(loc: tuple[Any, ...]) -> str:
         else:
             out += f".{part}" if out else str(part)
     return out
+
+
+def redact_url(url: str) -> str:
+    """``database.url`` fit for messages: any password masked, and a SQLite file's path as it is
+    on disk (SQLAlchemy would percent-encode a path with letters outside ASCII, a path no operator
+    can find by eye). Something that is no URL at all shows as nothing of it."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return "the given database"
+    shown = parsed.render_as_string(hide_password=True)
+    if parsed.get_backend_name() == "sqlite" and parsed.database:
+        _, mark, query = shown.partition("?")
+        return f"{parsed.drivername}:///{parsed.database}{mark}{query}"
+    return shown

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.app import redact_url
+from proxy.config import redact_url
 from proxy.config import ConfigError, load_settings, parse_duration
 from tests.support.broker import AFFIDAVIT, free_port, free_ports
 
@@ -579,6 +579,16 @@ def test_well_formed_failpoints_are_read_as_written():
         "after_approval": ("pause", 0.0, None)}
 
 
+@pytest.mark.parametrize("url, shown", [
+    ("postgresql+asyncpg://affidavit:s3cr%40t@db.internal:5432/affidavit", "postgresql+asyncpg://affidavit:***@db.internal:5432/affidavit"),
+    ("sqlite+aiosqlite:////srv/jürnal/a b.db?timeout=5", "sqlite+aiosqlite:////srv/jürnal/a b.db?timeout=5"),
+    ("sqlite+aiosqlite:///relative.db", "sqlite+aiosqlite:///relative.db"),
+    ("::not a url", "the given database"),
+])
+def test_a_database_url_in_messages_hides_its_password_and_shows_a_file_path_as_written(url, shown):
+    assert redact_url(url) == shown
+
+
 @pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
 def test_db_upgrade_says_what_it_did(tmp_path, pg_admin_url, dialect):
     """Created, upgraded, or nothing to do: an operator can tell them apart (and notice a journal
@@ -587,7 +597,7 @@ def test_db_upgrade_says_what_it_did(tmp_path, pg_admin_url, dialect):
     from tests.support.pg import fresh_database
 
     if dialect == "sqlite":
-        journal = tmp_path / "j.db"
+        journal = tmp_path / "jürnal Ω.db"  # shown as it is on disk, not percent-encoded
         url, drop = f"sqlite+aiosqlite:///{journal}", lambda: None
     else:
         url, drop = fresh_database(pg_admin_url)
@@ -601,6 +611,7 @@ def test_db_upgrade_says_what_it_did(tmp_path, pg_admin_url, dialect):
     head, shown = migrate.head(), redact_url(url)
     try:
         if dialect == "sqlite":
+            assert shown == f"sqlite+aiosqlite:///{journal}"
             assert upgrade() == f"affidavit: created the journal file {journal}; {shown} is at revision {head}"
         else:
             assert upgrade() == f"affidavit: created the journal's schema; {shown} is at revision {head}"
