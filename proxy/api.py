@@ -31,6 +31,7 @@ from . import decisions
 from .broker import CODE_HEADER, INVOCATION_HEADER, OUTCOME_HEADER, REPLAYED_HEADER, Broker, LookupUnavailable, note_replay, shown
 from .store.journal import Journal, brief
 from .contract import Code, Outcome, Phase, Retry, Stage, project
+from .config import RecoverySection
 from .crypto import DecryptError
 from .envelope import MEDIA_TYPE, envelope
 from .invocation_view import describe, iso
@@ -290,6 +291,7 @@ def create_app(
     app.add_middleware(BodyLimit)
     tokens = {token.encode(): name for name, token in agent_tokens.items()}
     operator = operator_token.encode() if operator_token else None
+    stale_after = (broker.settings.recovery if broker is not None else RecoverySection()).stale_after
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -416,7 +418,8 @@ def create_app(
     async def get_invocation(invocation_id: str, who: Annotated[Principal, Depends(principal)]) -> dict[str, Any]:
         row = await visible(invocation_id, who)
         rows, events = await queries.events_of(engine, invocation_id, journal.decode_payload)
-        return describe(row, events, operator=who.operator, event_times={r["seq"]: r["at"] for r in rows})
+        owner = await queries.holder(engine, row, stale_after) if who.operator else None
+        return describe(row, events, operator=who.operator, event_times={r["seq"]: r["at"] for r in rows}, owner=owner)
 
     @app.get(
         "/v1/invocations/{invocation_id}/result",
@@ -479,7 +482,8 @@ def create_app(
         row = await queries.invocation(engine, invocation_id)
         assert row is not None
         rows, events = await queries.events_of(engine, invocation_id, journal.decode_payload)
-        return describe(row, events, operator=True, event_times={r["seq"]: r["at"] for r in rows})
+        owner = await queries.holder(engine, row, stale_after)
+        return describe(row, events, operator=True, event_times={r["seq"]: r["at"] for r in rows}, owner=owner)
 
     @app.post("/v1/invocations/{invocation_id}/reconcile", tags=["operators"],
               summary="Append what is known about the effect (operator); the original record stays",

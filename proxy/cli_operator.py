@@ -211,13 +211,20 @@ def invocations_show(invocation_id: str, config: ConfigOption = None) -> None:
         if row is None:
             return None
         rows, events = await queries.events_of(engine, invocation_id, payload_decoder(ring_of(settings)))
-        return describe(row, events, operator=True, event_times={r["seq"]: r["at"] for r in rows})
+        owner = await queries.holder(engine, row, settings.recovery.stale_after)
+        return describe(row, events, operator=True, event_times={r["seq"]: r["at"] for r in rows}, owner=owner)
 
     view = with_engine(settings, read)
     if view is None:
         typer.echo(f"affidavit: no invocation {invocation_id!r} in the journal", err=True)
         raise typer.Exit(1)
     typer.echo(json.dumps(view, indent=2, default=str))
+    if (owner := view.get("owner")) is not None and owner["stale"]:
+        typer.echo(f"affidavit: the broker that holds this record, {owner['broker']}, last beat {owner['silent_s']:.0f} s "
+                   f"ago (recovery.stale_after is {settings.recovery.stale_after:g} s): it has stopped, so no caller waits "
+                   "on it any more, whatever caller_disposition says. A running broker closes the record "
+                   "(recovery, docs/operations.md); held and approved records wait for the agent's repeat instead. "
+                   "If no broker runs, start one.", err=True)
 
 
 @invocations_app.command("result")

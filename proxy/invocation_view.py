@@ -49,6 +49,20 @@ def operation_of(row: dict[str, Any]) -> Operation:
     return Operation(idempotent=bool(row["idempotent"]), remote_contract=bool(row["remote_contract"]), fingerprint=row["fingerprint"])
 
 
+def owner_view(owner: str, heartbeat_at: datetime | None, now: datetime, stale_after: float) -> dict[str, Any]:
+    """Who holds an in-flight record, and whether it still beats: a record whose holder stopped
+    says ``waiting`` until some broker's recovery closes it (docs/operations.md, Replicas).
+    ``stale``: its heartbeat is older than ``stale_after`` (null when it has written none: a
+    broker still starting, or one under another name)."""
+    silent = None if heartbeat_at is None else max((now - heartbeat_at).total_seconds(), 0.0)
+    return {
+        "broker": owner,
+        "last_heartbeat": iso(heartbeat_at),
+        "silent_s": None if silent is None else round(silent, 1),
+        "stale": None if silent is None else silent > stale_after,
+    }
+
+
 def describe(
     row: dict[str, Any],
     events: list[Event],
@@ -56,7 +70,10 @@ def describe(
     now: datetime | None = None,
     operator: bool = False,
     event_times: dict[int, Any] | None = None,
+    owner: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The record as the side API and the CLI show it. ``owner`` (:func:`owner_view`), for an
+    operator's view of a record still in flight."""
     now = now or datetime.now(UTC)
     record: Record = project(events)
     operation = operation_of(row)
@@ -96,7 +113,7 @@ def describe(
             "fingerprint": row["fingerprint"],
             "remote_contract": "configured" if row.get("remote_contract") else "none",
         }
-    return {
+    view = {
         "invocation_id": row["invocation_id"],
         "agent": row["agent"],
         "route": row["route"],
@@ -131,3 +148,6 @@ def describe(
             for e in events
         ],
     }
+    if owner is not None and operator and not record.ended:
+        view["owner"] = owner
+    return view

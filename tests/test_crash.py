@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
 import secrets
 import sqlite3
@@ -883,6 +884,39 @@ def test_a_live_brokers_in_flight_work_is_left_alone_and_a_dead_ones_is_closed(m
     assert upstream.effects == 2, "the upstream applied the dead broker's request: unknown was the truth"
     last_writer = query(b.database_url, f"SELECT writer FROM events WHERE invocation_id = '{dead_id}' ORDER BY seq DESC LIMIT 1")
     assert last_writer[0][0].startswith("broker-b/"), last_writer
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_an_operator_sees_whether_the_broker_holding_a_record_still_beats(make_broker, upstream, dialect):
+    """A record in flight says ``waiting`` until a broker closes it; when its broker is gone and
+    none runs, nothing will. The operator's view names the holder and how long it has been silent,
+    and `invocations show` says what that means; an agent's view does not name brokers."""
+    broker = make_broker(dialect, routes=crash_routes(upstream), recovery=FAST_RECOVERY)
+    slow = _post_in_background(broker, CRASH + "/h/slow?delay=3.5&n=held-by")
+    invocation_id = _record_for(broker, "held-by")
+    broker.wait_for(invocation_id, lambda r: r["stage"] in ("dispatched", "sent"), timeout=5)
+    assert "owner" not in broker.invocation(invocation_id), "an agent's view names no broker"
+    holder = broker.invocation(invocation_id, broker.operator_token)["owner"]
+    [(owner,)] = query(broker.database_url, f"SELECT owner FROM invocations WHERE invocation_id = '{invocation_id}'")
+    assert holder["broker"] == owner and holder["stale"] is False and 0 <= holder["silent_s"] < 1.5, holder
+
+    broker.kill()
+    with pytest.raises(httpx.HTTPError):
+        slow.result(timeout=15)
+    time.sleep(2.0)  # past stale_after (1.5 s), and no broker runs to close the record
+    shown = broker.command("invocations", "show", invocation_id)
+    assert shown.returncode == 0, shown.stderr
+    view = json.loads(shown.stdout)
+    assert (view["stage"], view["caller_disposition"]) == ("sent", "waiting"), view
+    assert view["owner"]["broker"] == owner and view["owner"]["stale"] is True and view["owner"]["silent_s"] >= 1.5, view
+    hint = shown.stderr.decode()
+    assert f"the broker that holds this record, {owner}, last beat" in hint and "If no broker runs, start one" in hint, hint
+
+    later = make_broker(routes=crash_routes(upstream), like=broker, recovery=FAST_RECOVERY)
+    later.wait_for(invocation_id, lambda r: r["stage"] == "ended_unknown", timeout=15)
+    assert "owner" not in later.invocation(invocation_id, later.operator_token), "an ended record has no holder"
+    done = later.command("invocations", "show", invocation_id)
+    assert done.returncode == 0 and "owner" not in json.loads(done.stdout) and done.stderr == b"", done.stderr
 
 
 @contextlib.contextmanager

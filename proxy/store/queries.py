@@ -11,14 +11,15 @@ import socket
 import sqlite3
 
 import asyncpg
-from sqlalchemy import select, text
+from sqlalchemy import func, select, text
 from sqlalchemy.exc import DBAPIError, DisconnectionError, SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ..contract import Event, EventKind
+from ..contract import ENDED, Event, EventKind, Stage
 from ..crypto import PayloadDecoder, ResultDecoder
-from .schema import events, invocations, results
+from ..invocation_view import owner_view
+from .schema import brokers, events, invocations, results
 
 #: What a read of the journal raises when it fails: because the database is away, or because it
 #: answered the query with an error. :func:`unreachable` tells the two apart.
@@ -250,6 +251,29 @@ async def list_invocations(
         query = query.where(c.invocation_id < before)
     async with engine.connect() as conn:
         return [_row(r) for r in (await conn.execute(query)).mappings().all()]
+
+
+async def holder(engine: AsyncEngine, row: dict[str, Any], stale_after: float) -> dict[str, Any] | None:
+    """For an operator's view of ``row``'s record while it is in flight: who holds it and whether
+    that broker still beats (:func:`~proxy.invocation_view.owner_view`); None once it has ended."""
+    if Stage(row["stage"]) in ENDED:
+        return None
+    beat, now = await heartbeat_of(engine, row["owner"])
+    return owner_view(row["owner"], beat, now, stale_after)
+
+
+async def heartbeat_of(engine: AsyncEngine, owner: str) -> tuple[datetime | None, datetime]:
+    """When ``owner`` last wrote its heartbeat (None: never, or not under that name), and now, by
+    the clock that stamps heartbeats: PostgreSQL's own, this host's on SQLite."""
+    async with engine.connect() as conn:
+        beat = (await conn.execute(select(brokers.c.heartbeat_at).where(brokers.c.owner == owner))).scalar()
+        now = (await conn.execute(select(func.now()))).scalar() if conn.dialect.name == "postgresql" else None
+    return _utc(beat), _utc(now) or datetime.now(UTC)
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    """SQLite hands timestamps back without a zone; they were written in UTC."""
+    return value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value
 
 
 async def ping(engine: AsyncEngine) -> None:
