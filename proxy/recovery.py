@@ -39,7 +39,7 @@ from .failpoints import failpoint
 from .contract import CallerDisposition, Code, EventKind, Phase, Record, Stage, project
 from .invocation_log import InvocationLog, identity_of, utcnow
 from .store import queries
-from .store.journal import Journal, brief
+from .store.journal import Fence, Journal, brief
 from .store.schema import brokers, invocations
 
 log = logging.getLogger("affidavit.recovery")
@@ -284,8 +284,11 @@ class Recovery:
                                               f"({self.stale_after:g} s; stopped, or cut off from the journal)")
         for kind, data in closing_events(record, cause=cause):
             entry.append(kind, **data)
+        # A re-send's writes are fenced by its generation and owner: this broker's close holds only
+        # while the stopped owner still holds the record (no one else took it over meanwhile).
+        fence = Fence(entry.invocation_id, entry.generation, row["owner"], utcnow(), False) if entry.generation else None
         try:
-            await entry.commit()
+            await entry.commit(fence=fence)
         except Exception as exc:  # another broker closed it first, or the journal is down
             log.info("could not close %s: %s", row["invocation_id"], exc)
             return False
