@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -1228,8 +1229,10 @@ class Broker:
         self._end(entry, settled, answered=False)
         try:
             await entry.commit()
-        except Exception as exc:
-            log.warning("could not record the end of %s: %s", entry.invocation_id, exc)
+        except JournalUnavailable:
+            self._resend_in_background(entry, "its end")
+        except LeaseLost:
+            pass  # another broker closed the record meanwhile: it says what that broker knew
 
     def _end(self, entry: InvocationLog, settled: _Settled, *, answered: bool) -> None:
         """Append the event that ends the record, given how the exchange settled."""
@@ -1286,6 +1289,8 @@ class Broker:
         except JournalUnavailable:
             if not entry.record.dispatch_started:
                 return self._journal_unavailable(entry)
+            # The caller gets what this broker knows; the record gets it once the journal is back.
+            self._resend_in_background(entry, "its end")
         except LeaseLost:
             if not entry.record.dispatch_started:
                 return self._lease_lost(entry)
@@ -1478,35 +1483,47 @@ class Broker:
         self._write_behind(entry)
 
     def _write_behind(self, entry: InvocationLog) -> None:
-        """What became of the delivery, written without anyone waiting. No later write of this
-        invocation would resend it if it failed (the journal away for a moment), and the record
-        would say 'wait' until a restart's recovery guessed the caller had left: so a failed one
-        is sent again in the background until it lands."""
+        """What became of the delivery, written without anyone waiting; a failed write is sent
+        again in the background (:meth:`_resend_in_background`)."""
         def landed(future: asyncio.Future[None]) -> None:
             if future.cancelled() or future.exception() is None or isinstance(future.exception(), LeaseLost):
                 return  # done; or another broker closed the record, which then says what it knows
-            if self._closing:
-                return  # the journal is closing: recovery at the next start closes the record
-            task = asyncio.create_task(self._resend_behind(entry))
-            self._behind.add(task)
-            task.add_done_callback(self._behind.discard)
+            self._resend_in_background(entry, "what became of its delivery")
 
         entry.submit(lazy=True).add_done_callback(landed)
 
-    async def _resend_behind(self, entry: InvocationLog) -> None:
-        pause, deadline = 1.0, time.monotonic() + self.settings.upstream.result_horizon
-        while time.monotonic() < deadline:
+    def _resend_in_background(self, entry: InvocationLog, what: str) -> None:
+        """Send ``entry``'s writes the journal refused (``what`` they record) again until they land.
+
+        No later write of the invocation would resend them, and while this broker beats no other
+        broker's recovery closes its records: given up on, the record would say the request is in
+        flight (a keyed repeat: IDEMPOTENCY_IN_PROGRESS) until a restart."""
+        if self._closing:
+            return  # the journal is closing: recovery at the next start closes the record
+        task = asyncio.create_task(self._resend_behind(entry, what))
+        self._behind.add(task)
+        task.add_done_callback(self._behind.discard)
+
+    async def _resend_behind(self, entry: InvocationLog, what: str) -> None:
+        pause, patience = 1.0, time.monotonic() + self.settings.upstream.result_horizon
+        while True:
             await asyncio.sleep(pause)
             try:
                 await entry.resubmit()
-                return
             except LeaseLost:
-                return
+                return  # another broker closed the record meanwhile: it says what that broker knew
             except JournalUnavailable:
-                pause = min(pause * 2, 30.0)
-        log.warning("invocation %s: what became of its delivery could not be recorded within result_horizon (the "
-                    "journal did not take the write); its record says the caller still waits until recovery closes "
-                    "it after a restart", entry.invocation_id)
+                if time.monotonic() > patience:
+                    patience = math.inf
+                    log.warning("invocation %s: %s is still not recorded (the journal does not take the write); the "
+                                "record says the request is in flight until it is. The broker keeps trying while it "
+                                "runs; if it stops first, recovery closes the record at the next start",
+                                entry.invocation_id, what)
+                pause = min(pause * 2, 30.0)  # alone in its batch: a write that keeps failing fails nothing else
+                continue
+            if patience == math.inf:
+                log.warning("invocation %s: %s is recorded after all", entry.invocation_id, what)
+            return
 
     # -- refusals and envelopes -------------------------------------------------------------
 

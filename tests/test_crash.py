@@ -263,6 +263,39 @@ def _start_on(make_broker, upstream, url: str, **kwargs: Any) -> BrokerProcess:
     return make_broker(routes=crash_routes(upstream), db_url=url, **kwargs)
 
 
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_a_resend_cut_by_a_crash_is_closed_as_unknown_and_can_be_sent_again(make_broker, upstream, dialect):
+    """A same-key re-send (generation 1) whose broker dies mid-exchange: its writes are fenced by
+    generation and owner, and recovery's close used to be fenced by the recovering broker's own
+    name, so it was refused at every sweep; the record said in flight for good and every repeat got
+    IDEMPOTENCY_IN_PROGRESS. Recovery closes it as the stopped owner's, and the key works again."""
+    broker = make_broker(dialect, routes=crash_routes(upstream), env={"AFFIDAVIT_FAILPOINTS": "mid_response_headers=kill@1"})
+    key = "crash_" + secrets.token_hex(6)
+    url = SAFE + "/h/idem_honour?code=201"
+    with pytest.raises(httpx.HTTPError):
+        post(broker, url, key)
+    restart_without_failpoints(broker)
+    invocation_id = record_by_key(broker, key)
+    broker.wait_for(invocation_id, lambda r: r["stage"] == "ended_unknown")
+
+    broker.kill()
+    broker.env["AFFIDAVIT_FAILPOINTS"] = "mid_response_headers=kill@1"
+    broker.start()
+    with pytest.raises(httpx.HTTPError):
+        post(broker, url, key)  # the re-send, cut the same way
+    [(generation,)] = query(broker.database_url, f"SELECT generation FROM invocations WHERE invocation_id = '{invocation_id}'")
+    assert int(generation) == 1
+    restart_without_failpoints(broker)
+    record = broker.wait_for(invocation_id, lambda r: r["stage"] == "ended_unknown" and r["evidence"]["dispatch_seq"] and
+                             len(r["evidence"]["attempts"]) == 2, timeout=15)
+    assert (record["outcome"], record["code"], record["retry"]) == ("unknown", "REMOTE_OUTCOME_UNKNOWN", "same_idempotency_key")
+    assert "could not close" not in broker.logs()
+
+    repeat = post(broker, url, key)
+    assert repeat.status_code == 201 and repeat.headers["affidavit-outcome"] == "committed", repeat.text
+    assert upstream.effects_by_key[key] == 1, "the service honoured the key: one effect for three sends"
+
+
 def test_an_unreachable_journal_fails_closed_and_the_broker_serves_again_when_it_returns(relayed_pg, make_broker, upstream):
     url, relay = relayed_pg
     broker = _start_on(make_broker, upstream, url)
@@ -456,6 +489,40 @@ def test_a_keyed_record_refused_at_the_dispatch_write_is_closed_when_the_journal
     assert (record["outcome"], record["code"], record["retry"]) == ("not_attempted", "JOURNAL_UNAVAILABLE", "backoff"), record
     assert record["caller_disposition"] != "waiting", record
     assert upstream.effects == 0, "nothing is forwarded without a durable DISPATCH_STARTED"
+
+
+@pytest.mark.parametrize("ended_by", ["the horizon, nobody waiting", "a reset, the caller answered"])
+def test_an_end_the_journal_refused_is_recorded_once_it_is_back(relayed_pg, make_broker, upstream, ended_by):
+    """The write that ends a dispatched exchange fails in a short outage: after result_horizon with
+    no answer (nobody waits; it used to be tried once and logged), or after the upstream reset (the
+    caller got its 502; it used to be dropped in silence). While this broker beats no other closes
+    its records, so without a retry the record said in flight, and a keyed repeat
+    IDEMPOTENCY_IN_PROGRESS, until a restart. It is written once the journal is back."""
+    url, relay = relayed_pg
+    horizon = ended_by.startswith("the horizon")
+    timeouts = {"response_timeout": "1s", "result_horizon": "3s"} if horizon else {}
+    routes = [{**route, **timeouts} for route in crash_routes(upstream)]
+    broker = make_broker(routes=routes, db_url=url, env={} if horizon else {"AFFIDAVIT_FAILPOINTS": "after_request_sent=pause:2@1"})
+    key = f"end-{time.monotonic_ns()}"
+    answer: dict[str, httpx.Response] = {}
+    target = SAFE + ("/h/hang" if horizon else "/h/close_after_effect?rst=1")
+    thread = threading.Thread(target=lambda: answer.setdefault("r", post(broker, target, key)))
+    thread.start()
+    invocation_id = record_by_key_when(broker, key)
+    broker.wait_for(invocation_id, lambda r: r["stage"] in ("dispatched", "sent"), timeout=5)
+    time.sleep(1.5 if horizon else 0.5)  # the end is written at the 3 s horizon, or after the 2 s pause
+    relay.cut()
+    thread.join(20)
+    time.sleep(2.5)  # past the end's write, which fails
+    relay.restore()
+    if horizon:
+        assert answer["r"].status_code == 504 and answer["r"].headers["affidavit-outcome"] == "unknown", answer["r"].text
+    else:
+        assert answer["r"].status_code == 502 and answer["r"].headers["affidavit-outcome"] == "unknown", answer["r"].text
+    record = broker.wait_for(invocation_id, lambda r: r["stage"] == "ended_unknown", timeout=20)
+    assert (record["outcome"], record["code"], record["retry"]) == ("unknown", "REMOTE_OUTCOME_UNKNOWN", "same_idempotency_key"), record
+    assert "could not record the end" not in broker.logs()
+    assert [e["kind"] for e in record["events"]].count("FAILED") == 1, record["events"]
 
 
 def test_a_caller_that_left_during_a_failed_dispatch_write_still_gets_its_record_closed(relayed_pg, make_broker, upstream):
