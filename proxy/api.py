@@ -35,6 +35,7 @@ from .config import RecoverySection
 from .crypto import DecryptError
 from .envelope import MEDIA_TYPE, envelope
 from .invocation_view import describe, iso
+from .logs import LogThrottle
 from .store import queries
 from .store.reads import ResultReader
 
@@ -292,6 +293,7 @@ def create_app(
     tokens = {token.encode(): name for name, token in agent_tokens.items()}
     operator = operator_token.encode() if operator_token else None
     stale_after = (broker.settings.recovery if broker is not None else RecoverySection()).stale_after
+    outage_lines = LogThrottle(window=10.0)
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -334,7 +336,8 @@ def create_app(
             return _problem(500, "Internal Server Error", "The journal (database) answered this call with an error that "
                             "is not an outage (a bug, or a schema this version does not expect). Retrying will not "
                             "help; operators: see the broker log.")
-        log.warning("side API: the journal did not answer: %s", brief(exc))
+        if (more := outage_lines.suffix("journal")) is not None:  # one line per call would flood the log
+            log.warning("side API: the journal did not answer: %s%s", brief(exc), more)
         return _problem(503, "Unavailable", "The journal (database) did not answer, so nothing can be read or "
                         "changed right now; nothing was changed. Retry after a delay; operators: check the database.",
                         {"Retry-After": "1"})

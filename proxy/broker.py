@@ -64,6 +64,7 @@ from .credentials import (
     redaction_needles,
 )
 from .envelope import MEDIA_TYPE, encode, envelope, status_for
+from .logs import LogThrottle
 from .fingerprint import approval_fingerprint, body_sha256, config_digest, fingerprint, normalized_target
 from .invocation_log import Identity, InvocationLog, aware as _aware, identity_of, new_invocation_id, utcnow
 from .routing import Refusal, hides_a_dot_segment, match_route
@@ -538,6 +539,7 @@ class Broker:
         self._handling: set[asyncio.Task[Any]] = set()  # requests being handled right now
         self._behind: set[asyncio.Task[Any]] = set()  # write-behind resends (_resend_behind)
         self._closing = False
+        self._outage_lines = LogThrottle(window=10.0)
         #: The broker is stopping (a signal): connections it cuts are not their callers leaving.
         self.stopping = False
         #: Whether an owner named as this broker's earlier incarnation is dead (recovery's view:
@@ -819,8 +821,11 @@ class Broker:
                 "The broker cannot read the record this idempotency key is bound to (it was encrypted under a key "
                 "this broker no longer has), so it sent nothing. Retry after a delay; operators: put the old key "
                 "back in [crypto] keys."))
-        log.warning("a request with an idempotency key could not be checked against the journal, which did not "
-                    "answer (%s); refused as JOURNAL_UNAVAILABLE, nothing sent", exc)
+        # One line per request would flood the log in an outage under load (the journal's own
+        # failure lines are throttled the same way).
+        if (more := self._outage_lines.suffix("keyed check")) is not None:
+            log.warning("a request with an idempotency key could not be checked against the journal, which did not "
+                        "answer (%s); refused as JOURNAL_UNAVAILABLE, nothing sent%s", exc, more)
         return self._journal_unavailable()
 
     async def _repeat_checked(

@@ -78,6 +78,14 @@ class LogThrottle:
         self._seen[key] = [now, 0]
         return skipped
 
+    def suffix(self, key: Hashable) -> str | None:
+        """:meth:`admit` for a line of its own: None to leave this one out, else what to append to
+        it ("" or how many like it were left out in the window before)."""
+        skipped = self.admit(key)
+        if skipped is None:
+            return None
+        return f" ({skipped} more like it in the {self.window:.0f} s before, not logged one by one)" if skipped else ""
+
     def _forget_quiet(self, now: float) -> None:
         quiet = [key for key, (at, skipped) in self._seen.items() if now - at >= self.window and not skipped]
         for key in quiet or list(self._seen)[: len(self._seen) // 2]:

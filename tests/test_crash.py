@@ -344,15 +344,21 @@ def test_an_unreachable_journal_fails_closed_and_the_broker_serves_again_when_it
 def test_an_outage_under_load_is_a_few_log_lines_not_one_per_failed_batch(relayed_pg, make_broker, upstream):
     """Every request refused in an outage is a failed batch; a busy broker fails dozens a second.
     The first is logged whole, the rest are counted into one line per 10 s, and the recovery line
-    says how many there were."""
+    says how many there were. So are keyed requests whose key cannot be looked up, and side-API
+    calls that cannot read the journal."""
     url, relay = relayed_pg
     broker = _start_on(make_broker, upstream, url)
-    with broker.client() as client:
-        assert client.post(CRASH + "/h/ok", content=b"{}").status_code == 200
+    with broker.client() as client, broker.api() as api:
+        ok = client.post(CRASH + "/h/ok", content=b"{}")
+        assert ok.status_code == 200
         offset = len(broker.logs())
         relay.cut()
         refused = [client.post(CRASH + "/h/ok", content=b"{}").status_code for _ in range(12)]
         assert refused == [503] * 12
+        keyed = [post(broker, SAFE + "/h/ok", f"outage-{i}").status_code for i in range(6)]
+        assert keyed == [503] * 6
+        reads = [api.get(f"/v1/invocations/{ok.headers['affidavit-invocation-id']}").status_code for _ in range(6)]
+        assert reads == [503] * 6
         relay.restore()
         deadline = time.monotonic() + 10
         while client.post(CRASH + "/h/ok", content=b"{}").status_code != 200 and time.monotonic() < deadline:
@@ -360,6 +366,8 @@ def test_an_outage_under_load_is_a_few_log_lines_not_one_per_failed_batch(relaye
     logs = broker.logs()[offset:]
     failed = [line for line in logs.splitlines() if "journal write failed" in line]
     assert len(failed) == 1, failed
+    for kind in ("could not be checked against the journal", "side API: the journal did not answer"):
+        assert len([line for line in logs.splitlines() if kind in line]) == 1, (kind, logs[-3000:])
     [back] = [line for line in logs.splitlines() if "journal writes work again" in line]
     assert int(back.split("(")[1].split()[0]) >= 12, back
 
