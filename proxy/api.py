@@ -30,7 +30,7 @@ from . import VERSION, metrics
 from . import decisions
 from .broker import CODE_HEADER, INVOCATION_HEADER, OUTCOME_HEADER, REPLAYED_HEADER, Broker, LookupUnavailable, note_replay, shown
 from .store.journal import Journal, brief
-from .contract import Code, Outcome, Phase, Retry, Stage, project
+from .contract import Code, Outcome, Phase, Retry, Stage, UnreadableRecord, project
 from .config import RecoverySection
 from .crypto import DecryptError
 from .envelope import MEDIA_TYPE, envelope
@@ -344,6 +344,15 @@ def create_app(
 
     for kind in queries.DATABASE_ERRORS:
         app.add_exception_handler(kind, _journal_error)
+
+    @app.exception_handler(UnreadableRecord)
+    async def _newer_record(_request: Request, exc: UnreadableRecord) -> JSONResponse:
+        if (more := outage_lines.suffix("format")) is not None:
+            log.warning("side API: %s; upgrade this broker to the version that wrote it (docs/operations.md, "
+                        "Upgrading)%s", exc, more)
+        return _problem(503, "Unreadable record", f"This broker cannot show the record: {exc}. Nothing was changed. "
+                        "Retry after a delay (an upgraded broker can answer it); operators: upgrade this broker.",
+                        {"Retry-After": "5"})
 
     @app.exception_handler(DecryptError)
     async def _undecryptable(_request: Request, exc: DecryptError) -> JSONResponse:

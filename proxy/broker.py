@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from urllib.parse import quote, urlsplit
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 from . import decisions, metrics
 from .config import Route, Settings
@@ -45,6 +45,7 @@ from .contract import (
     Record,
     Retry,
     Stage,
+    UnreadableRecord,
     apply,
     classify_status,
     decide,
@@ -537,7 +538,7 @@ class Broker:
         self.owner = owner
         self._background: set[asyncio.Task[Any]] = set()
         self._handling: set[asyncio.Task[Any]] = set()  # requests being handled right now
-        self._behind: set[asyncio.Task[Any]] = set()  # write-behind resends (_resend_behind)
+        self._behind: set[asyncio.Task[Any]] = set()  # records written until the journal takes them (_in_background)
         self._closing = False
         self._outage_lines = LogThrottle(window=10.0)
         #: The broker is stopping (a signal): connections it cuts are not their callers leaving.
@@ -805,6 +806,8 @@ class Broker:
             return await self._repeat_checked(row, req, route, request_fingerprint, key)
         except _Unreadable as exc:  # only reads before anything is sent raise it
             return self._unreadable(exc)
+        except UnreadableRecord as exc:  # read before anything is sent, and a newer broker's record
+            return self._unreadable(_Unreadable(str(exc), "format"))
 
     def _unreadable(self, exc: "_Unreadable") -> Reply:
         if exc.why == "error":
@@ -814,6 +817,15 @@ class Broker:
                 "The broker hit an internal error while checking this request's idempotency key against its journal, "
                 "so it sent nothing. It cannot say what became of the operation the key names: do not re-send it "
                 "under a new key; operators: see the broker log.")
+        if exc.why == "format":
+            if (more := self._outage_lines.suffix("format")) is not None:  # every repeat of such a key, in a rolling upgrade
+                log.error("a request with an idempotency key could not be checked against its invocation's record: %s; "
+                          "refused as JOURNAL_UNAVAILABLE, nothing sent. Upgrade this broker to the version that wrote "
+                          "it (docs/operations.md, Upgrading)%s", exc, more)
+            return self._journal_unavailable(message=(
+                "The record this idempotency key is bound to was written by a newer version of the broker than this "
+                "one, which cannot read it, so it sent nothing. Retry after a delay (an upgraded broker can answer "
+                "it); operators: upgrade this broker."))
         if exc.why == "decrypt":
             log.warning("a request with an idempotency key could not be checked against its invocation's record: %s; "
                         "refused as JOURNAL_UNAVAILABLE, nothing sent. Put the key back in [crypto] keys.", exc)
@@ -1216,7 +1228,7 @@ class Broker:
         if refused is Code.JOURNAL_UNAVAILABLE:
             # Its DISPATCH_STARTED write failed and may have landed: as for a caller still waiting
             # (:meth:`_answer`), the record is closed once the journal answers, by what it holds.
-            self._spawn(self._close_when_journal_returns(entry, answered=False))
+            self._in_background(self._close_when_journal_returns(entry, answered=False))
             return
         if refused is Code.LEASE_LOST:
             return  # another broker owns the record now: this one can write nothing to it (see _lease_lost)
@@ -1313,9 +1325,17 @@ class Broker:
         ambiguous commit), the record says unknown. ``answered``: the caller got the 503 (else it
         had left, and the record says so if it does not yet)."""
         invocation_id = refused.invocation_id
-        deadline = time.monotonic() + self.settings.upstream.result_horizon
-        while time.monotonic() < deadline:
-            await asyncio.sleep(1.0)
+        # For as long as this broker runs: while it beats no other broker closes its records, and
+        # a key bound to one in flight answers every repeat with IDEMPOTENCY_IN_PROGRESS.
+        pause, patience = 1.0, time.monotonic() + self.settings.upstream.result_horizon
+        while True:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 30.0)
+            if time.monotonic() > patience:
+                patience = math.inf
+                log.warning("invocation %s: its record is still not closed (the journal does not take the write); it "
+                            "says the request is in flight until it is. The broker keeps trying while it runs; if it "
+                            "stops first, recovery closes the record at the next start", invocation_id)
             try:
                 row = await queries.invocation(self.journal.engine, invocation_id)
                 if row is None:
@@ -1344,6 +1364,8 @@ class Broker:
                 return
             except (JournalUnavailable, LeaseLost):
                 continue
+            except UnreadableRecord:
+                return  # a newer broker wrote to it since: left to one that can read it
             except Exception as exc:  # the database is still away; try again
                 log.debug("closing %s later: %s", invocation_id, exc)
 
@@ -1503,9 +1525,15 @@ class Broker:
         No later write of the invocation would resend them, and while this broker beats no other
         broker's recovery closes its records: given up on, the record would say the request is in
         flight (a keyed repeat: IDEMPOTENCY_IN_PROGRESS) until a restart."""
+        self._in_background(self._resend_behind(entry, what))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work``, which writes a record until the journal takes it, until it is done or this
+        broker stops (then recovery at the next start closes the record)."""
         if self._closing:
-            return  # the journal is closing: recovery at the next start closes the record
-        task = asyncio.create_task(self._resend_behind(entry, what))
+            work.close()
+            return
+        task = asyncio.create_task(work)
         self._behind.add(task)
         task.add_done_callback(self._behind.discard)
 
@@ -1576,7 +1604,7 @@ class Broker:
         ends that record once the journal takes writes again."""
         invocation_id = entry.invocation_id if entry is not None and entry.durable else None
         if entry is not None:  # even a failed commit may have landed: look once the journal answers
-            self._spawn(self._close_when_journal_returns(entry))
+            self._in_background(self._close_when_journal_returns(entry))
         # This attempt's DISPATCH_STARTED was the write refused, and may have landed.
         unconfirmed = entry is not None and entry.record.stage is Stage.DISPATCHED
         if message is None and invocation_id is None:
@@ -1888,8 +1916,9 @@ T = TypeVar("T")
 
 class _Unreadable(Exception):
     """A read the broker needs before it may send anything failed. ``why``: ``unreachable`` (the
-    database did not answer), ``decrypt`` (the record is under a key this broker does not have)
-    or ``error`` (the read failed otherwise: a bug, a damaged schema; not an outage)."""
+    database did not answer), ``decrypt`` (the record is under a key this broker does not have),
+    ``format`` (a newer broker wrote the record) or ``error`` (the read failed otherwise: a bug, a
+    damaged schema; not an outage)."""
 
     def __init__(self, reason: str, why: str):
         super().__init__(reason)
@@ -1902,6 +1931,8 @@ async def _read(awaitable: Awaitable[T]) -> T:
         return await awaitable
     except DecryptError as exc:
         raise _Unreadable(f"the record cannot be decrypted: {exc}", "decrypt") from exc
+    except UnreadableRecord as exc:
+        raise _Unreadable(str(exc), "format") from exc
     except Exception as exc:  # nothing has been sent yet, whatever went wrong: the answer can say so
         raise _Unreadable(brief(exc), "unreachable" if queries.unreachable(exc) else "error") from exc
 

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy import text
 
-from .contract import Code, Outcome, Phase
+from .contract import Code, Outcome, Phase, UnreadableRecord
 from .config import DEFAULT_CONFIG, ConfigError, Settings, load_settings, parse_duration
 from .crypto import KeyRing, payload_decoder, result_decoder
 from .decisions import RECONCILABLE
@@ -97,6 +97,10 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
         from .crypto import DecryptError, UnknownKeyId
         from .store.journal import brief
 
+        if isinstance(exc, UnreadableRecord):  # a newer broker wrote it
+            typer.echo(f"affidavit: {exc}. Nothing was changed. Run this command from the version of affidavit that "
+                       "wrote it, or upgrade this one (docs/operations.md, Upgrading).", err=True)
+            raise typer.Exit(1) from None
         if isinstance(exc, UnknownKeyId):  # the journal answered; the record is under a key not configured here
             typer.echo(f"affidavit: a record could not be read: {exc}. Nothing was changed. Put the key it was stored "
                        "under back in [crypto] keys (docs/vault.md, key rotation), then run the command again.", err=True)

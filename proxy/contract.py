@@ -281,6 +281,16 @@ class IllegalTransition(ValueError):
     """An event that cannot follow the record's current stage (the log would lie)."""
 
 
+class UnreadableRecord(Exception):
+    """A stored record holds a value this version does not know: an event kind, a code, a phase...
+    A newer broker wrote it (a format change comes with a schema revision, so a broker that knows
+    it is older than the journal; docs/operations.md, Upgrading), or the record is damaged."""
+
+    def __init__(self, what: str):
+        super().__init__(f"the record holds {what}, which this version of the broker does not know (a newer "
+                         "broker wrote it, or the record is damaged)")
+
+
 
 @dataclass(frozen=True, slots=True)
 class Event:
@@ -561,10 +571,16 @@ def contradicted_answer(record: Record, finding: Outcome) -> Outcome | None:
 
 
 def project(events: Iterable[Event]) -> Record:
-    """Fold a whole event log (in sequence order) into a record."""
+    """Fold a whole event log (in sequence order) into a record. A stored value this version does
+    not know is :class:`UnreadableRecord`."""
     record = Record()
     for event in events:
-        record = apply(record, event)
+        try:
+            record = apply(record, event)
+        except IllegalTransition:
+            raise
+        except (ValueError, KeyError) as exc:  # an enum's value or a field this version does not know
+            raise UnreadableRecord(f"event {event.seq} ({event.kind.value}) with {exc}") from exc
     return record
 
 

@@ -36,7 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from . import metrics
 from .failpoints import failpoint
-from .contract import CallerDisposition, Code, EventKind, Phase, Record, Stage, project
+from .contract import CallerDisposition, Code, EventKind, Phase, Record, Stage, UnreadableRecord, project
 from .invocation_log import InvocationLog, identity_of, utcnow
 from .store import queries
 from .store.journal import Fence, Journal, brief
@@ -118,6 +118,8 @@ class Recovery:
         self.started_at = utcnow()
         self._healthy_since: datetime | None = None
         self._silent = False  # a heartbeat failure was logged and none has succeeded since
+        #: In-flight records this broker cannot read (a newer broker wrote them): left to one that can.
+        self._unreadable: set[str] = set()
         self._sweeping = False
         self._task: asyncio.Task[None] | None = None
         self.recovered = 0
@@ -251,7 +253,8 @@ class Recovery:
             return 0
         query = (
             select(invocations)
-            .where(and_(c.stage.in_([s.value for s in IN_FLIGHT]), or_(*conditions)))
+            .where(and_(c.stage.in_([s.value for s in IN_FLIGHT]), or_(*conditions),
+                        c.invocation_id.not_in(self._unreadable) if self._unreadable else true()))
             .order_by(c.created_at)
             .limit(500)
         )
@@ -268,8 +271,15 @@ class Recovery:
         return closed
 
     async def _close(self, row: dict[str, Any]) -> bool:
-        _, events = await queries.events_of(self.engine, row["invocation_id"], self.journal.decode_payload)
-        record = project(events)
+        try:
+            _, events = await queries.events_of(self.engine, row["invocation_id"], self.journal.decode_payload)
+            record = project(events)
+        except UnreadableRecord as exc:  # left to a broker that can read it; said once, not at every sweep
+            self._unreadable.add(row["invocation_id"])
+            log.warning("invocation %s was left in flight by %s, but this broker cannot close it: %s. A broker of the "
+                        "version that wrote it will; upgrade this one (docs/operations.md, Upgrading)",
+                        row["invocation_id"], row["owner"], exc)
+            return False
         if record.ended or record.stage not in IN_FLIGHT:
             return False
         entry = InvocationLog(

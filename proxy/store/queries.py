@@ -16,7 +16,7 @@ from sqlalchemy.exc import DBAPIError, DisconnectionError, SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ..contract import ENDED, Event, EventKind, Stage
+from ..contract import ENDED, Event, EventKind, UnreadableRecord
 from ..crypto import PayloadDecoder, ResultDecoder
 from ..invocation_view import owner_view
 from .schema import brokers, events, invocations, results
@@ -138,11 +138,22 @@ async def event_rows(engine: AsyncEngine, invocation_id: str) -> list[dict[str, 
 
 
 def decode_events(rows: list[dict[str, Any]], decode: PayloadDecoder) -> list[Event]:
-    """Events from stored rows; ``decode`` opens encrypted payloads (``Journal.decode_payload``)."""
+    """Events from stored rows; ``decode`` opens encrypted payloads (``Journal.decode_payload``). An
+    event kind this version does not know is :class:`~proxy.contract.UnreadableRecord`."""
     return [
-        Event(EventKind(row["kind"]), decode(bytes(row["payload"]), row["key_id"], row["invocation_id"], row["seq"]), row["seq"])
+        Event(_kind(row), decode(bytes(row["payload"]), row["key_id"], row["invocation_id"], row["seq"]), row["seq"])
         for row in rows
     ]
+
+
+_ENDED_STAGES = frozenset(s.value for s in ENDED)
+
+
+def _kind(row: dict[str, Any]) -> EventKind:
+    try:
+        return EventKind(row["kind"])
+    except ValueError:
+        raise UnreadableRecord(f"event {row['seq']} of kind {row['kind']!r}") from None
 
 
 async def events_of(engine: AsyncEngine, invocation_id: str, decode: PayloadDecoder) -> tuple[list[dict[str, Any]], list[Event]]:
@@ -256,7 +267,7 @@ async def list_invocations(
 async def holder(engine: AsyncEngine, row: dict[str, Any], stale_after: float) -> dict[str, Any] | None:
     """For an operator's view of ``row``'s record while it is in flight: who holds it and whether
     that broker still beats (:func:`~proxy.invocation_view.owner_view`); None once it has ended."""
-    if Stage(row["stage"]) in ENDED:
+    if row["stage"] in _ENDED_STAGES:
         return None
     beat, now = await heartbeat_of(engine, row["owner"])
     return owner_view(row["owner"], beat, now, stale_after)

@@ -76,6 +76,8 @@ invocations = Table(
 Index("ix_invocations_created_at", invocations.c.created_at)
 Index("ix_invocations_outcome_route", invocations.c.outcome, invocations.c.route)
 Index("ix_invocations_owner_stage", invocations.c.owner, invocations.c.stage)
+# Records in flight, oldest first: the recovery sweep and the approvals list (migration 0011).
+Index("ix_invocations_stage_created_at", invocations.c.stage, invocations.c.created_at)
 Index(
     "uq_invocations_idempotency",
     invocations.c.agent,
