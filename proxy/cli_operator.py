@@ -18,7 +18,6 @@ import typer
 from rich import box
 from rich.console import Console
 from rich.table import Table
-from sqlalchemy import text
 
 from .contract import Code, Outcome, Phase, UnreadableRecord
 from .config import DEFAULT_CONFIG, ConfigError, Settings, load_settings, parse_duration
@@ -271,25 +270,11 @@ def metrics(
     since: Annotated[str, typer.Option(help="Time window, e.g. 1h, 24h, 7d.")] = "24h",
     route: Optional[str] = None,
 ) -> None:
-    """The phase x outcome table for a time window, from the invocation_outcomes view."""
+    """The phase x outcome table of the invocations ended in a time window (as the
+    invocation_outcomes view counts them, from whole hours)."""
     settings = settings_or_exit(config)
     since_at = queries.window_start(_window(since)).replace(minute=0, second=0, microsecond=0)
-
-    async def read(engine: Any) -> list[Any]:
-        where = "WHERE bucket >= :since" + (" AND route = :route" if route else "")
-        async with engine.connect() as conn:
-            # Buckets are UTC wall-clock hours: a naive timestamp (PostgreSQL) or text (SQLite).
-            if conn.dialect.name == "postgresql":
-                bucket: Any = since_at.replace(tzinfo=None)
-            else:
-                bucket = since_at.strftime("%Y-%m-%d %H:00:00")
-            result = await conn.execute(
-                text(f"SELECT phase, outcome, sum(invocations) FROM invocation_outcomes {where} GROUP BY phase, outcome"),
-                {"since": bucket, "route": route},
-            )
-            return list(result.all())
-
-    rows = with_engine(settings, read)
+    rows = with_engine(settings, lambda engine: queries.outcome_counts(engine, since_at, route))
     counts = {(phase, outcome): int(n) for phase, outcome, n in rows}
     table = Table(title=f"invocations by phase x outcome, last {since}" + (f", route {route}" if route else ""))
     # Whole enum names, never cut: the table is read and grepped (it needs ~100 columns).

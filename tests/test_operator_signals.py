@@ -437,6 +437,42 @@ def backdate(url: str, hours: int, invocation_id: str | None = None) -> None:
         execute(url, f"UPDATE invocations SET created_at = created_at - interval '{hours} hours'{where}")
 
 
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_a_request_still_in_flight_is_neither_counted_nor_queued_for_reconciliation(make_broker, upstream: HostileUpstream, dialect: str):
+    """Dispatched and not yet answered, a record says remote_execution/unknown: the views and
+    `affidavit metrics` used to count it so, and unknown_outcomes (the reconciliation queue)
+    listed it, though its answer was on its way. They count an invocation once it has ended, as
+    affidavit_invocations_total does."""
+    import concurrent.futures
+
+    broker = make_broker(dialect)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(lambda: broker.client().post(f"{PAYMENTS}/h/slow?delay=4", content=b"{}"))
+        deadline = time.monotonic() + 10
+        while not _sql(broker, "SELECT invocation_id FROM invocations WHERE stage IN ('dispatched', 'sent')"):
+            assert time.monotonic() < deadline, "the slow request was never dispatched"
+            time.sleep(0.05)
+        assert _sql(broker, "SELECT count(*) FROM unknown_outcomes") == [("0",)]
+        assert _sql(broker, "SELECT count(*) FROM invocation_outcomes") == [("0",)]
+        rows, summary = metrics_table(broker, "--since", "1h")
+        assert rows == expected_table({}) and summary.startswith("remote_execution/unknown: 0 "), summary
+        assert slow.result(timeout=20).status_code == 200
+    deadline = time.monotonic() + 10
+    while _sql(broker, "SELECT stage FROM invocations") != [("delivered",)]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    rows, _ = metrics_table(broker, "--since", "1h")
+    assert rows == expected_table({("result_delivery", "committed"): 1})
+    assert _sql(broker, "SELECT sum(invocations) FROM invocation_outcomes") == [("1",)]
+
+
+def _sql(broker: BrokerProcess, sql: str) -> list[tuple[str, ...]]:
+    from tests.support.journal import query
+
+    return query(broker.database_url, sql)
+
+
 @pytest.mark.parametrize("dialect", DIALECTS)
 def test_affidavit_metrics_table_counts_and_since_window(make_broker, upstream: HostileUpstream, dialect: str):
     broker = make_broker(dialect, env={"COLUMNS": "80"})  # a narrow terminal (or a pipe) cuts no name
