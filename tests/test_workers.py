@@ -74,10 +74,17 @@ def test_workers_share_one_port_one_ca_and_one_journal(make_broker, upstream, di
     assert len(owners) == 3 and all(re.search(r"#w[0-2]$", o) for o in owners), (
         f"the kernel spread {sent} connections over every worker, each its own instance: {owners}")
 
+    def committed(api: httpx.Client) -> tuple[float, str]:
+        text = api.get("/metrics").text
+        return sum(float(v) for v in re.findall(r'^affidavit_invocations_total\{[^}]*outcome="committed"[^}]*\} (\S+)$', text, re.M)), text
+
     with httpx.Client(base_url=broker.api_url, headers={"Authorization": f"Bearer {broker.operator_token}"}) as api:
+        # An end is counted once its write has landed: the last delivery record is written behind.
+        deadline = time.monotonic() + 5
+        while committed(api)[0] != sent and time.monotonic() < deadline:
+            time.sleep(0.05)
         for _ in range(5):  # whichever worker answers, it counts every worker's invocations
-            text = api.get("/metrics").text
-            counted = sum(float(v) for v in re.findall(r'^affidavit_invocations_total\{[^}]*outcome="committed"[^}]*\} (\S+)$', text, re.M))
+            counted, text = committed(api)
             assert counted == sent, text
 
 
