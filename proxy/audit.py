@@ -59,8 +59,8 @@ import binascii
 import json
 import os
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable, Mapping
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -715,20 +715,49 @@ def verify_dump(path: Path, extra_checkpoints: Iterable[Row] = ()) -> AuditResul
 def export_events(url: str, path: Path) -> tuple[int, int]:
     """Write every event (payload base64) and checkpoint as JSON lines; returns the counts.
 
-    The file is created with mode 0600: with encryption off, payloads are plaintext.
+    Streamed: written as read, in chain order, so memory stays small however long the journal.
+    The file is created with mode 0600 (with encryption off, payloads are plaintext) under a
+    temporary name and renamed into place when complete: a failed export leaves no partial file.
     """
-    rows, marks = asyncio.run(load_database(url))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        header = {"type": EXPORT_FORMAT, "format": 1, "exported_at": canonical_time(datetime.now(UTC))}
-        out.write(json.dumps(header) + "\n")
-        for row in rows:
-            out.write(json.dumps(_event_line(row), sort_keys=True) + "\n")
-        for mark in marks:
-            line = {"type": "checkpoint", "writer": mark["writer"], "writer_seq": int(mark["writer_seq"]),
-                    "hash": mark["hash"], "at": canonical_time(mark["at"])}
-            out.write(json.dumps(line, sort_keys=True) + "\n")
-    return len(rows), len(marks)
+    return asyncio.run(_export(url, Path(path)))
+
+
+async def _export(url: str, path: Path) -> tuple[int, int]:
+    count = 0
+    async with _snapshot(url) as (conn, tables, raw):
+        marks = await _read_marks(conn, tables)
+        with _written(path) as out:
+            header = {"type": EXPORT_FORMAT, "format": 1, "exported_at": canonical_time(datetime.now(UTC))}
+            out.write(json.dumps(header) + "\n")
+            async for batch in _stream(conn, _events_query(raw)):
+                out.write("".join(json.dumps(_event_line(_decoded(dict(r), raw)), sort_keys=True) + "\n" for r in batch))
+                count += len(batch)
+            for mark in marks:
+                line = {"type": "checkpoint", "writer": mark["writer"], "writer_seq": int(mark["writer_seq"]),
+                        "hash": mark["hash"], "at": canonical_time(mark["at"])}
+                out.write(json.dumps(line, sort_keys=True) + "\n")
+    return count, len(marks)
+
+
+@contextmanager
+def _written(path: Path) -> Iterator[Any]:
+    """A text file at ``path``, mode 0600, in place only once complete (a temporary file beside
+    it, renamed); something that is not a regular file (``/dev/stdout``, a pipe) is written as is."""
+    target = Path(os.path.realpath(path))
+    if target.exists() and not target.is_file():
+        with open(target, "w", encoding="utf-8") as out:
+            yield out
+        return
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            yield out
+        os.replace(partial, target)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(partial)
+        raise
 
 
 def _event_line(row: Row) -> dict[str, Any]:
