@@ -59,7 +59,7 @@ import binascii
 import json
 import os
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Set
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -634,21 +634,28 @@ def _is_utf8(value: bytes) -> bool:
     return True
 
 
-async def _rows_where(conn: AsyncConnection, raw: bool, column: str, names: set[str], odd: Mapping[str, set[bytes]]) -> list[dict[str, Any]]:
+async def _rows_where(
+    conn: AsyncConnection, raw: bool, column: str, names: set[str], odd: Mapping[str, set[bytes]], but: Set[str] = frozenset(),
+) -> list[dict[str, Any]]:  # fmt: skip
     """Every row whose ``column`` reads as one of ``names`` (through the indexes), and on SQLite
     those stored unlike the broker stores them (``odd``: their bytes; a full scan, forged
-    journals only)."""
+    journals only); ``but`` those of these writers."""
     col, out = events.c[column], []
+    others = [events.c.writer.not_in(sorted(but))] if but else []
+
+    def wanted(query: Any) -> Any:
+        return (_decoded(dict(r), raw) for r in query.mappings())
+
     ordered = sorted(names)
     for start in range(0, len(ordered), _IN_CHUNK):
-        query = _events_query(raw, col.in_(ordered[start:start + _IN_CHUNK]))
-        out.extend(_decoded(dict(r), raw) for r in (await conn.execute(query)).mappings())
+        query = _events_query(raw, col.in_(ordered[start:start + _IN_CHUNK]), *others)
+        out.extend(r for r in wanted(await conn.execute(query)) if r["writer"] not in but)
     spellings = sorted({k for name in names for k in odd.get(name, ())})
     if raw and spellings:
         # Not those the query above found: TEXT holding exactly the UTF-8 of a name.
         texts = [k.decode("utf-8") for k in spellings if _is_utf8(k)]
         query = _events_query(raw, cast(col, LargeBinary).in_(spellings), not_(and_(func.typeof(col) == "text", col.in_(texts))))
-        out.extend(_decoded(dict(r), raw) for r in (await conn.execute(query)).mappings())
+        out.extend(r for r in wanted(await conn.execute(query)) if r["writer"] not in but)
     return [r for r in out if r[column] in names]
 
 
@@ -671,8 +678,7 @@ async def _verify_live(url: str, extra: list[Row]) -> AuditResult:
         # hold events of, and of the flagged invocations (for their seqs and to name a deleted row).
         chains = await _rows_where(conn, raw, "writer", walk.flagged, walk.odd["writer"])
         wanted = {r["invocation_id"] for r in chains} | flagged_invocations | set(walk.odd["invocation_id"])
-        others = [r for r in await _rows_where(conn, raw, "invocation_id", wanted, walk.odd["invocation_id"])
-                  if r["writer"] not in walk.flagged]
+        others = await _rows_where(conn, raw, "invocation_id", wanted, walk.odd["invocation_id"], but=walk.flagged)
     result.breaks = verify([*chains, *others], marks, writers=walk.flagged).breaks
     return result
 
