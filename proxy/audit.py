@@ -41,6 +41,11 @@ re-hashed after the checkpoint (rewritten, at the checkpoint's position).
 
 Separately, each invocation's ``seq`` must run 1, 2, 3... without gaps or doubles.
 
+:func:`verify` holds and indexes every row it is given. :func:`verify_database` does not give
+it a live journal whole (millions of events would take gigabytes): it streams the chains and
+checks each in constant memory, lets the database check the invocations' seqs, and hands
+:func:`verify` only the damaged part, with the same findings (see :class:`_Walk`).
+
 A chain has no key, so an attacker who can write the database can append well-formed rows to
 the end of a chain, or re-hash a whole chain; only checkpoints kept elsewhere (an earlier
 ``audit export``) show the latter. docs/audit.md says what each finding means.
@@ -54,17 +59,18 @@ import binascii
 import json
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Set
+from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import LargeBinary, String, cast, func, inspect, select
+from sqlalchemy import LargeBinary, String, and_, cast, distinct, func, inspect, not_, or_, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
-from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
 from .store.journal import GENESIS, brief, canonical_time, chain_hash
 from .store.migrate import connect_args
@@ -154,8 +160,13 @@ class AuditResult:
 # -- the pure part -------------------------------------------------------------------------
 
 
-def verify(rows: Iterable[Row], checkpoints: Iterable[Row] = ()) -> AuditResult:
-    """Check every writer's chain, every invocation's ``seq`` and every checkpoint. No key needed."""
+def verify(rows: Iterable[Row], checkpoints: Iterable[Row] = (), *, writers: Iterable[str] | None = None) -> AuditResult:
+    """Check every writer's chain, every invocation's ``seq`` and every checkpoint. No key needed.
+
+    ``writers``: walk only these chains (their every row must be in ``rows``; rows of other
+    writers are there only as their invocations' other events). The counts are then those of
+    ``rows``, not of a journal: :func:`verify_database` diagnoses the damaged part this way.
+    """
     rows = list(rows)
     checkpoints = list(checkpoints)
     by_writer: dict[str, list[Row]] = defaultdict(list)
@@ -167,7 +178,7 @@ def verify(rows: Iterable[Row], checkpoints: Iterable[Row] = ()) -> AuditResult:
     invocations = _Invocations(rows)
     distinct = {(str(m["writer"]), int(m["writer_seq"]), str(m["hash"])) for m in checkpoints}  # an earlier export repeats the database's own
     result = AuditResult(events=len(rows), writers=len(by_writer), invocations=len(invocations.seqs), checkpoints=len(distinct))
-    for writer in sorted(set(by_writer) | set(marks)):
+    for writer in sorted(set(by_writer) | set(marks) if writers is None else set(writers)):
         found = _Chain(writer, by_writer.get(writer, []), invocations).check(marks.get(writer, []))
         if found is not None:
             result.breaks.append(found)
@@ -377,12 +388,15 @@ class _Chain:
 
 # -- reading a database or a dump ---------------------------------------------------------
 
+#: Events fetched per round trip when streaming (what verify and export hold at a time).
+BATCH = 2000
+#: Values per ``IN (...)`` when loading the damaged part of a journal.
+_IN_CHUNK = 500
 
-async def load_database(url: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Every event row and every checkpoint, as stored (payload bytes untouched).
 
-    Raises :class:`AuditInputError` when the database cannot be read at all.
-    """
+def _check_url(url: str) -> str:
+    """The URL as shown (password hidden). Raises :class:`AuditInputError` for a URL the broker
+    would not take, or a SQLite file that is not there (connecting would create an empty one)."""
     if not url.startswith(("sqlite+aiosqlite://", "postgresql+asyncpg://")):
         raise AuditInputError("--database must be a URL the broker uses, 'sqlite+aiosqlite:///path.db' or "
                               "'postgresql+asyncpg://user@host/db' (as database.url in its configuration)")
@@ -396,30 +410,78 @@ async def load_database(url: str) -> tuple[list[dict[str, Any]], list[dict[str, 
 
         # Connecting would create an empty one. A directory, or a missing one, is said as such.
         raise AuditInputError(f"{where}: {sqlite_file_problem(url) or 'no such database file'}")
-    try:
-        return await _read(url)
-    except (SQLAlchemyError, OSError) as exc:
-        raise AuditInputError(f"{where}: the journal could not be read ({brief(exc)})") from None
+    return where
 
 
-async def _read(url: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+@asynccontextmanager
+async def _snapshot(url: str) -> AsyncIterator[tuple[AsyncConnection, set[str], bool]]:
+    """One connection that reads one snapshot of the journal, whatever brokers commit meanwhile
+    (PostgreSQL: a REPEATABLE READ transaction; SQLite: one read transaction), so that every
+    query of a verify or an export sees the same rows. Yields the connection, the database's
+    table names, and whether it is SQLite (whose text is read as bytes: :func:`_as_stored`).
+
+    Raises :class:`AuditInputError` when the database cannot be read as a journal."""
+    where = _check_url(url)
     engine = create_async_engine(url, connect_args=connect_args(url))
     try:
-        async with engine.connect() as conn:
+        try:
+            conn = await engine.connect()
+            raw = conn.dialect.name == "sqlite"
+            if raw:
+                await conn.exec_driver_sql("BEGIN")  # the driver opens none for a SELECT
+            else:
+                await conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
             tables = await conn.run_sync(lambda c: set(inspect(c).get_table_names()))
+        except (SQLAlchemyError, OSError) as exc:
+            raise AuditInputError(f"{where}: the journal could not be read ({brief(exc)})") from None
+        try:
             if "events" not in tables:
                 raise AuditInputError("this database has no events table; is it an Affidavit journal? (`affidavit db upgrade`)")
-            # Checkpoints first: one committed with later events (brokers keep writing while we
-            # read) then never points past the events we read, which would look like a cut tail.
-            marks = []
-            if "chain_checkpoints" in tables:
-                query = select(chain_checkpoints).order_by(chain_checkpoints.c.writer, chain_checkpoints.c.writer_seq)
-                marks = [dict(r) for r in (await conn.execute(query)).mappings()]
-            raw = conn.dialect.name == "sqlite"
-            query = select(*_as_stored(events, raw)).order_by(events.c.writer, events.c.writer_seq)
-            rows = [_decoded(dict(r), raw) for r in (await conn.execute(query)).mappings()]
+            yield conn, tables, raw
+        except SQLAlchemyError as exc:  # not OSError: an export's own file is written meanwhile
+            raise AuditInputError(f"{where}: the journal could not be read ({brief(exc)})") from None
+        finally:
+            with suppress(SQLAlchemyError, OSError):
+                await conn.close()  # rolls the read transaction back
     finally:
         await engine.dispose()
+
+
+async def _read_marks(conn: AsyncConnection, tables: set[str]) -> list[dict[str, Any]]:
+    if "chain_checkpoints" not in tables:
+        return []
+    query = select(chain_checkpoints).order_by(chain_checkpoints.c.writer, chain_checkpoints.c.writer_seq)
+    return [dict(r) for r in (await conn.execute(query)).mappings()]
+
+
+def _events_query(raw: bool, *where: Any, types: bool = False) -> Any:
+    """Events as stored, in chain order (the ``uq_events_writer_seq`` index). ``types``: on
+    SQLite also the storage class of the columns that group rows (see :meth:`_Walk.add`)."""
+    columns = _as_stored(events, raw)
+    if raw and types:
+        columns += [func.typeof(events.c[name]).label(f"typeof_{name}") for name in _GROUPING]
+    return select(*columns).where(*where).order_by(events.c.writer, events.c.writer_seq)
+
+
+async def _stream(conn: AsyncConnection, query: Any) -> AsyncIterator[list[Any]]:
+    """``query``'s rows in batches of :data:`BATCH`, through a server-side cursor."""
+    result = await conn.stream(query.execution_options(yield_per=BATCH))
+    async for batch in result.mappings().partitions():
+        yield batch
+
+
+async def load_database(url: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every event row and every checkpoint, as stored (payload bytes untouched), in memory.
+
+    For a journal small enough to hold (tools, tests): :func:`verify_database` and
+    :func:`export_events` stream instead. Raises :class:`AuditInputError` when the database
+    cannot be read at all.
+    """
+    async with _snapshot(url) as (conn, tables, raw):
+        # Checkpoints first: with brokers writing, one committed later could point past the
+        # events read, which would look like a cut tail. (The snapshot makes that moot too.)
+        marks = await _read_marks(conn, tables)
+        rows = [_decoded(dict(r), raw) async for batch in _stream(conn, _events_query(raw)) for r in batch]
     return rows, marks
 
 
@@ -436,21 +498,201 @@ def _decoded(row: dict[str, Any], raw: bool) -> dict[str, Any]:
     """Text columns read as bytes (see :func:`_as_stored`) back as text; bytes that are not UTF-8
     are replaced, so the row no longer hashes as it was written, and the walk finds it."""
     if raw:
-        for column in events.c:
-            value = row.get(column.name)
-            if isinstance(column.type, String) and isinstance(value, (bytes, memoryview)):
-                row[column.name] = bytes(value).decode("utf-8", "replace")
+        for name in _TEXT_COLUMNS:
+            value = row.get(name)
+            if isinstance(value, (bytes, memoryview)):
+                row[name] = bytes(value).decode("utf-8", "replace")
     return row
+
+
+_COLUMNS = tuple(c.name for c in events.c)
+_TEXT_COLUMNS = tuple(c.name for c in events.c if isinstance(c.type, String))
+
+
+# -- verifying a live database, streamed ---------------------------------------------------
+#
+# verify() indexes every row, which for a journal of millions of events takes gigabytes. A live
+# database is instead read once in chain order and each chain checked as it streams past, in
+# O(1) state (_Walk); each invocation's seqs are checked by the database (_odd_invocations).
+# Only what that flags is read again, with what its diagnosis needs (the chain's rows and every
+# row of their invocations, the flagged invocations' rows), and handed to verify(), which names
+# the damage exactly as it would over the whole journal: a chain the walk accepts is one that
+# verify() walks to its end without a break, and an invocation the database passes has no gap
+# (so it cannot matter to naming a deleted row either).
+
+#: The columns that group rows into chains and invocations.
+_GROUPING = ("writer", "invocation_id", "seq")
+_TYPES = {"writer": "text", "invocation_id": "text", "seq": "integer"}
+
+
+class _Walk:
+    """Every chain, streamed in (writer, writer_seq) order, checked with O(1) state per chain.
+
+    It only flags a writer whose chain is not exactly: rows at writer_seq 1, 2, 3..., one
+    each, each hashing with its stored columns and linking to the one before, every checkpoint
+    of the writer naming a position of it with that row's hash. (Each such row is the one
+    :meth:`_Chain._rightful` picks: no other row hashes at its position, as each hashes at its
+    own.) Memory: the writer names and the checkpoints.
+    """
+
+    def __init__(self, marks: Iterable[Row]):
+        self.marks: dict[str, list[Row]] = defaultdict(list)
+        for mark in marks:
+            self.marks[str(mark["writer"])].append(mark)
+        self.events = 0
+        self.writers: set[str] = set()
+        self.flagged: set[str] = set()
+        #: SQLite: name -> the stored bytes of rows whose writer or invocation_id is stored unlike
+        #: the broker stores it (not TEXT, or not UTF-8), which grouping by text would miss.
+        self.odd: dict[str, dict[str, set[bytes]]] = {"writer": defaultdict(set), "invocation_id": defaultdict(set)}
+        self._writer: str | None = None
+        self._ok = True
+        self._n = 0
+        self._prev = GENESIS
+        self._wanted: set[int] = set()
+        self._at_marks: dict[int, str] = {}
+
+    def add(self, stored: Mapping[str, Any], raw: bool) -> None:
+        row = _decoded({name: stored[name] for name in _COLUMNS}, raw)
+        if row["writer"] != self._writer:
+            self._end()
+            self._start(row["writer"])
+        self.events += 1
+        if raw and any(stored[f"typeof_{name}"] != kind for name, kind in _TYPES.items()) or not _utf8(stored, raw):
+            self.flagged.add(row["writer"])
+            for name in self.odd:
+                self.odd[name][row[name]].add(bytes(stored[name]) if raw else str(stored[name]).encode())
+        if not self._ok:
+            return
+        n = self._n + 1
+        try:
+            self._ok = int(row["writer_seq"]) == n and row["prev_hash"] == self._prev and _fits(row)
+        except (TypeError, ValueError):
+            self._ok = False
+        if self._ok:
+            self._n, self._prev = n, row["hash"]
+            if n in self._wanted:
+                self._at_marks[n] = row["hash"]
+
+    def _start(self, writer: str) -> None:
+        if writer in self.writers:  # its rows are not together: stored unlike the broker stores them
+            self.flagged.add(writer)
+        self.writers.add(writer)
+        self._writer, self._ok, self._n, self._prev = writer, True, 0, GENESIS
+        self._wanted = {int(m["writer_seq"]) for m in self.marks.get(writer, ())}
+        self._at_marks = {}
+
+    def _end(self) -> None:
+        if self._writer is None:
+            return
+        # A checkpoint past the end (a cut tail) or on another hash (a re-hash) is damage.
+        if not self._ok or any(self._at_marks.get(int(m["writer_seq"])) != m["hash"] for m in self.marks.get(self._writer, ())):
+            self.flagged.add(self._writer)
+
+    def finish(self) -> None:
+        self._end()
+        self._writer = None
+        self.flagged.update(w for w in self.marks if w not in self.writers)  # checkpoints of a chain with no rows
+
+
+def _utf8(stored: Mapping[str, Any], raw: bool) -> bool:
+    if not raw:
+        return True
+    try:
+        for name in ("writer", "invocation_id"):
+            bytes(stored[name]).decode("utf-8")
+    except (UnicodeDecodeError, TypeError):
+        return False
+    return True
+
+
+async def _odd_invocations(conn: AsyncConnection, raw: bool, walk: _Walk) -> tuple[set[str], int]:
+    """The invocations whose seqs do not run 1, 2, 3... (by the database, rows not read), and how
+    many invocations the journal holds."""
+    inv, seq, rows = events.c.invocation_id, events.c.seq, func.count()
+    query = (select(cast(inv, LargeBinary) if raw else inv).group_by(inv)
+             .having(or_(func.min(seq) != 1, func.max(seq) != rows, func.count(distinct(seq)) != rows)))
+    flagged = {bytes(k).decode("utf-8", "replace") if raw else k for (k,) in (await conn.execute(query)).all()}
+    odd = walk.odd["invocation_id"]
+    if not odd:
+        return flagged, int((await conn.execute(select(func.count(distinct(inv))))).scalar() or 0)
+    # SQLite, ids stored unlike the broker stores them: count by the bytes, then those that
+    # read as the same text (bytes that are not UTF-8, read with replacement) as one.
+    count = int((await conn.execute(select(func.count(distinct(cast(inv, LargeBinary)))))).scalar() or 0)
+    for name, keys in odd.items():
+        spellings = {k for k in keys if not _is_utf8(k)}
+        present = (await conn.execute(select(events.c.seq).where(cast(inv, LargeBinary) == name.encode()).limit(1))).first()
+        count -= max(0, len(spellings) + (present is not None) - 1)
+    return flagged, count
+
+
+def _is_utf8(value: bytes) -> bool:
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+async def _rows_where(
+    conn: AsyncConnection, raw: bool, column: str, names: set[str], odd: Mapping[str, set[bytes]], but: Set[str] = frozenset(),
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Every row whose ``column`` reads as one of ``names`` (through the indexes), and on SQLite
+    those stored unlike the broker stores them (``odd``: their bytes; a full scan, forged
+    journals only); ``but`` those of these writers."""
+    col, out = events.c[column], []
+    others = [events.c.writer.not_in(sorted(but))] if but else []
+
+    def wanted(query: Any) -> Any:
+        return (_decoded(dict(r), raw) for r in query.mappings())
+
+    ordered = sorted(names)
+    for start in range(0, len(ordered), _IN_CHUNK):
+        query = _events_query(raw, col.in_(ordered[start:start + _IN_CHUNK]), *others)
+        out.extend(r for r in wanted(await conn.execute(query)) if r["writer"] not in but)
+    spellings = sorted({k for name in names for k in odd.get(name, ())})
+    if raw and spellings:
+        # Not those the query above found: TEXT holding exactly the UTF-8 of a name.
+        texts = [k.decode("utf-8") for k in spellings if _is_utf8(k)]
+        query = _events_query(raw, cast(col, LargeBinary).in_(spellings), not_(and_(func.typeof(col) == "text", col.in_(texts))))
+        out.extend(r for r in wanted(await conn.execute(query)) if r["writer"] not in but)
+    return [r for r in out if r[column] in names]
+
+
+async def _verify_live(url: str, extra: list[Row]) -> AuditResult:
+    async with _snapshot(url) as (conn, tables, raw):
+        marks = [*await _read_marks(conn, tables), *extra]
+        walk = _Walk(marks)
+        async for batch in _stream(conn, _events_query(raw, types=True)):
+            for stored in batch:
+                walk.add(stored, raw)
+        walk.finish()
+        flagged_invocations, invocations = await _odd_invocations(conn, raw, walk)
+        result = AuditResult(
+            events=walk.events, writers=len(walk.writers), invocations=invocations,
+            checkpoints=len({(str(m["writer"]), int(m["writer_seq"]), str(m["hash"])) for m in marks}),
+        )
+        if not walk.flagged and not flagged_invocations:
+            return result
+        # The damaged part: the flagged chains whole, and every row of the invocations they
+        # hold events of, and of the flagged invocations (for their seqs and to name a deleted row).
+        chains = await _rows_where(conn, raw, "writer", walk.flagged, walk.odd["writer"])
+        wanted = {r["invocation_id"] for r in chains} | flagged_invocations | set(walk.odd["invocation_id"])
+        others = await _rows_where(conn, raw, "invocation_id", wanted, walk.odd["invocation_id"], but=walk.flagged)
+    result.breaks = verify([*chains, *others], marks, writers=walk.flagged).breaks
+    return result
 
 
 def verify_database(url: str, extra_checkpoints: Iterable[Row] = ()) -> AuditResult:
     """Verify a live journal. Synchronous (call it outside an event loop); reads no key.
 
+    Streams the events: memory stays small however long the journal, but for the damaged part
+    (see the comment above :class:`_Walk`). The findings are :func:`verify`'s over every row.
+
     A journal with no events at all verifies trivially; if it still holds invocations, their
     events were removed (every invocation's record starts with an event), and that is a break."""
-    rows, marks = asyncio.run(load_database(url))
-    result = verify(rows, [*marks, *extra_checkpoints])
-    if not rows and result.ok and (orphans := asyncio.run(_count_invocations(url))):
+    result = asyncio.run(_verify_live(url, list(extra_checkpoints)))
+    if not result.events and result.ok and (orphans := asyncio.run(_count_invocations(url))):
         result.breaks.append(Break(
             Damage.DELETED, None, None, None, None,
             f"the journal holds {orphans} invocation(s) but no events at all: every record starts with an event, so "
@@ -479,20 +721,49 @@ def verify_dump(path: Path, extra_checkpoints: Iterable[Row] = ()) -> AuditResul
 def export_events(url: str, path: Path) -> tuple[int, int]:
     """Write every event (payload base64) and checkpoint as JSON lines; returns the counts.
 
-    The file is created with mode 0600: with encryption off, payloads are plaintext.
+    Streamed: written as read, in chain order, so memory stays small however long the journal.
+    The file is created with mode 0600 (with encryption off, payloads are plaintext) under a
+    temporary name and renamed into place when complete: a failed export leaves no partial file.
     """
-    rows, marks = asyncio.run(load_database(url))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        header = {"type": EXPORT_FORMAT, "format": 1, "exported_at": canonical_time(datetime.now(UTC))}
-        out.write(json.dumps(header) + "\n")
-        for row in rows:
-            out.write(json.dumps(_event_line(row), sort_keys=True) + "\n")
-        for mark in marks:
-            line = {"type": "checkpoint", "writer": mark["writer"], "writer_seq": int(mark["writer_seq"]),
-                    "hash": mark["hash"], "at": canonical_time(mark["at"])}
-            out.write(json.dumps(line, sort_keys=True) + "\n")
-    return len(rows), len(marks)
+    return asyncio.run(_export(url, Path(path)))
+
+
+async def _export(url: str, path: Path) -> tuple[int, int]:
+    count = 0
+    async with _snapshot(url) as (conn, tables, raw):
+        marks = await _read_marks(conn, tables)
+        with _written(path) as out:
+            header = {"type": EXPORT_FORMAT, "format": 1, "exported_at": canonical_time(datetime.now(UTC))}
+            out.write(json.dumps(header) + "\n")
+            async for batch in _stream(conn, _events_query(raw)):
+                out.write("".join(json.dumps(_event_line(_decoded(dict(r), raw)), sort_keys=True) + "\n" for r in batch))
+                count += len(batch)
+            for mark in marks:
+                line = {"type": "checkpoint", "writer": mark["writer"], "writer_seq": int(mark["writer_seq"]),
+                        "hash": mark["hash"], "at": canonical_time(mark["at"])}
+                out.write(json.dumps(line, sort_keys=True) + "\n")
+    return count, len(marks)
+
+
+@contextmanager
+def _written(path: Path) -> Iterator[Any]:
+    """A text file at ``path``, mode 0600, in place only once complete (a temporary file beside
+    it, renamed); something that is not a regular file (``/dev/stdout``, a pipe) is written as is."""
+    target = Path(os.path.realpath(path))
+    if target.exists() and not target.is_file():
+        with open(target, "w", encoding="utf-8") as out:
+            yield out
+        return
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            yield out
+        os.replace(partial, target)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(partial)
+        raise
 
 
 def _event_line(row: Row) -> dict[str, Any]:
