@@ -138,15 +138,21 @@ def test_a_fault_of_the_broker_while_it_records_a_complete_answer_ends_the_recor
     assert post(broker, CRASH + "/h/status?code=201", "k_" + secrets.token_hex(6)).status_code == 201, "the next one is served"
 
 
-def test_an_unknown_outcome_after_a_crash_is_resent_with_the_same_key_under_a_contract(make_broker, upstream):
-    broker = make_broker("postgresql", routes=crash_routes(upstream), env={"AFFIDAVIT_FAILPOINTS": "mid_response_headers=kill@1"})
+def _keyed_post_cut_by_a_crash(make_broker, upstream, dialect: str) -> tuple[BrokerProcess, str, str, dict[str, Any]]:
+    """A keyed POST on a route with a remote contract, its broker killed mid-response and
+    restarted: (broker, key, url, the record once recovery has closed it as unknown)."""
+    broker = make_broker(dialect, routes=crash_routes(upstream), env={"AFFIDAVIT_FAILPOINTS": "mid_response_headers=kill@1"})
     key = "crash_" + secrets.token_hex(6)
     url = SAFE + "/h/idem_honour?code=201"
     with pytest.raises(httpx.HTTPError):
         post(broker, url, key)
     restart_without_failpoints(broker)
-    invocation_id = record_by_key(broker, key)
-    record = broker.wait_for(invocation_id, lambda r: r["stage"] == "ended_unknown")
+    record = broker.wait_for(record_by_key(broker, key), lambda r: r["stage"] == "ended_unknown")
+    return broker, key, url, record
+
+
+def test_an_unknown_outcome_after_a_crash_is_resent_with_the_same_key_under_a_contract(make_broker, upstream):
+    broker, key, url, record = _keyed_post_cut_by_a_crash(make_broker, upstream, "postgresql")
     assert record["retry"] == "same_idempotency_key"
     repeat = post(broker, url, key)
     assert repeat.status_code == 201 and repeat.headers["affidavit-outcome"] == "committed"
@@ -269,14 +275,8 @@ def test_a_resend_cut_by_a_crash_is_closed_as_unknown_and_can_be_sent_again(make
     generation and owner, and recovery's close used to be fenced by the recovering broker's own
     name, so it was refused at every sweep; the record said in flight for good and every repeat got
     IDEMPOTENCY_IN_PROGRESS. Recovery closes it as the stopped owner's, and the key works again."""
-    broker = make_broker(dialect, routes=crash_routes(upstream), env={"AFFIDAVIT_FAILPOINTS": "mid_response_headers=kill@1"})
-    key = "crash_" + secrets.token_hex(6)
-    url = SAFE + "/h/idem_honour?code=201"
-    with pytest.raises(httpx.HTTPError):
-        post(broker, url, key)
-    restart_without_failpoints(broker)
-    invocation_id = record_by_key(broker, key)
-    broker.wait_for(invocation_id, lambda r: r["stage"] == "ended_unknown")
+    broker, key, url, first = _keyed_post_cut_by_a_crash(make_broker, upstream, dialect)
+    invocation_id = first["invocation_id"]
 
     broker.kill()
     broker.env["AFFIDAVIT_FAILPOINTS"] = "mid_response_headers=kill@1"
