@@ -547,12 +547,15 @@ def create_app(
              responses=answers(401, 403, 503))
     async def list_approvals(_who: Annotated[Principal, Depends(operator_only)]) -> dict[str, Any]:
         cards = []
+        holders: dict[str, dict[str, Any] | None] = {}  # one heartbeat read per broker, not per card
         for row in await queries.held(engine):
             _, events = await queries.events_of(engine, row["invocation_id"], journal.decode_payload)
             card = next((e.data for e in reversed(events) if e.kind.value == "APPROVAL_REQUESTED"), None)
             if card is not None:
+                if row["owner"] not in holders:
+                    holders[row["owner"]] = await queries.holder(engine, row, stale_after)
                 cards.append({"invocation_id": row["invocation_id"], "requested_at": iso(row["updated_at"]),
-                              **dict.fromkeys(CARD_FIELDS), **card})
+                              **dict.fromkeys(CARD_FIELDS), **card, "owner": holders[row["owner"]]})
         return {"items": cards}
 
     @app.post("/v1/approvals/{invocation_id}", tags=["operators"], summary="Approve or deny a held request",

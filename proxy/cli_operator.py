@@ -363,22 +363,29 @@ def approvals_list(
     if not items:
         console.print("no request is waiting for approval")
         return
-    columns = ("invocation_id", "agent", "route", "method", "target", "body", "credential", "approves", "retry?")
+    columns = ("invocation_id", "agent", "route", "method", "target", "body", "credential", "approves", "retry?", "caller")
     cells = [
         [card["invocation_id"], card["agent"], card["route"], card["method"], card["target"],
          f"{card['body_bytes']} B sha256:{card['body_sha256'][:12]}",
          f"{card.get('credential_id') or '-'} {card.get('credential_version') or ''}".strip(),
-         card["approves"][:19], "uncertain retry" if card.get("retry_of_uncertain_action") else ""]
+         card["approves"][:19], "uncertain retry" if card.get("retry_of_uncertain_action") else "", _caller(card)]
         for card in items
     ]
     if _whole_table("held for approval", columns, cells):
         return
     # Too narrow for one row each (a pipe, a small terminal): a few lines per card, nothing cut.
     console.print("held for approval", highlight=False)
-    for invocation_id, agent, route, method, target, body, credential, approves, retry in cells:
+    for invocation_id, agent, route, method, target, body, credential, approves, retry, caller in cells:
         console.print(f"{invocation_id}  {agent}  {route}  {method} {target}", highlight=False)
-        console.print(f"    body {body}  credential {credential}  approves {approves}" + (f"  {retry}" if retry else ""),
-                      highlight=False)
+        console.print(f"    body {body}  credential {credential}  approves {approves}" + (f"  {retry}" if retry else "")
+                      + f"  caller {caller}", highlight=False)
+
+
+def _caller(card: dict[str, Any]) -> str:
+    """Whether an agent still waits on the card: not once the broker holding it has stopped (its
+    heartbeat stale); an approval then waits for the agent's repeat with the same key."""
+    owner = card.get("owner") or {}
+    return "gone (approval waits for a repeat)" if owner.get("stale") else "waiting"
 
 
 def _decide(config: Path | None, invocation_id: str, decision: str, note: str | None) -> None:

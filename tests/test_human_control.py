@@ -522,6 +522,24 @@ def wait_for_card_list(broker: BrokerProcess) -> list[dict[str, Any]]:
         return api.get("/v1/approvals").json()["items"]
 
 
+def test_a_card_whose_broker_stopped_says_no_caller_waits_on_it(make_broker, upstream):
+    """A held request outlives its broker (the agent repeats it to be held again), so its card
+    stays listed; an operator must see that approving it sends nothing until that repeat."""
+    broker = make_broker("postgresql", routes=control_routes(upstream), recovery={"heartbeat": "0.3s", "stale_after": "1s"})
+    Held(broker, b'{"deploy":"v49"}', key="deploy_" + secrets.token_hex(6), timeout=5)
+    card = wait_for_card(broker)
+    assert card["owner"]["stale"] is False and card["owner"]["broker"], card
+    assert "waiting" in cli(broker, "approvals", "list")
+    broker.kill()
+    broker.start()
+    time.sleep(1.5)  # past stale_after: the old incarnation beats no more
+    [listed] = wait_for_card_list(broker)
+    assert listed["invocation_id"] == card["invocation_id"] and listed["owner"]["broker"] == card["owner"]["broker"]
+    assert listed["owner"]["stale"] is True and listed["owner"]["silent_s"] >= 1.0, listed["owner"]
+    listing = cli(broker, "approvals", "list")
+    assert "gone (approval waits for a repeat)" in " ".join(listing.split()), listing
+
+
 def test_a_held_request_survives_a_restart(make_broker, upstream):
     broker, key, card = held_then_restarted(make_broker, upstream, b'{"deploy":"v47"}', stale_after="2s")
     assert wait_for_card(broker)["invocation_id"] == card["invocation_id"], "the restart did not forget it"
