@@ -1,8 +1,7 @@
 """The journal's format: values a broker from before this revision cannot read.
 
 No table changes. The events, the projection and the envelope codes hold values added since 0009
-(the event kind ``CALLER_ANSWERED``, the codes ``MALFORMED_REQUEST`` and ``REQUEST_TIMEOUT``, and
-others). A broker that does not know them answered 500 on such a record and told an agent
+(the event kind ``CALLER_ANSWERED`` and the code ``MALFORMED_REQUEST`` among them). A broker that does not know them answered 500 on such a record and told an agent
 repeating its key to reconcile an operation that was never sent. A broker checks the schema's
 revision when it starts, and one that does not know this revision refuses to (``the schema is at
 0010, which a newer broker made``): so a broker too old to read the journal is never started on it.
