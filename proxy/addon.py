@@ -140,8 +140,7 @@ class RejectionLog(LogThrottle):
         if skipped is None:
             return
         who = f"agent {known!r}" if known else "an agent name this broker does not know"
-        more = (f" ({skipped} more from there in the {self.window:.0f} s before, not logged one by one)"
-                if skipped else "")
+        more = self.note(skipped, "from there")
         log.warning("proxy credentials rejected for %s from %s%s", who, address, more,
                     extra={"agent": known, "code": Code.PROXY_AUTH_REQUIRED.value, "not_logged": skipped})
 

@@ -318,8 +318,7 @@ class RequestClocks:
         skipped = self.throttle.admit(address)
         if skipped is None:
             return
-        more = (f" ({skipped} more from there in the {self.throttle.window:.0f} s before, not logged one by one)"
-                if skipped else "")
+        more = self.throttle.note(skipped, "from there")
         done = ("answered 408 REQUEST_TIMEOUT on its stream and reset it (the connection's other requests go on)"
                 if over.startswith("HTTP/2") else "answered 408 REQUEST_TIMEOUT and closed the connection")
         log.warning(

@@ -78,13 +78,15 @@ class LogThrottle:
         self._seen[key] = [now, 0]
         return skipped
 
-    def suffix(self, key: Hashable) -> str | None:
+    def suffix(self, key: Hashable, what: str = "like it") -> str | None:
         """:meth:`admit` for a line of its own: None to leave this one out, else what to append to
-        it ("" or how many like it were left out in the window before)."""
+        it (:meth:`note`)."""
         skipped = self.admit(key)
-        if skipped is None:
-            return None
-        return f" ({skipped} more like it in the {self.window:.0f} s before, not logged one by one)" if skipped else ""
+        return None if skipped is None else self.note(skipped, what)
+
+    def note(self, skipped: int, what: str = "like it") -> str:
+        """What a logged line appends: "" or how many ``what`` were left out in the window before."""
+        return f" ({skipped} more {what} in the {self.window:.0f} s before, not logged one by one)" if skipped else ""
 
     def _forget_quiet(self, now: float) -> None:
         quiet = [key for key, (at, skipped) in self._seen.items() if now - at >= self.window and not skipped]

@@ -728,22 +728,7 @@ def test_a_repaired_result_whose_hand_over_is_never_confirmed_ends_as_not_delive
 
     monkeypatch.setattr(broker_module, "DELIVERY_CONFIRM_WAIT", 0.2, raising=False)
 
-    async def scenario() -> str:
-        journal = Journal(make_engine(db), writer="w1")
-        await journal.start()
-        try:
-            broker = _in_process_broker(db, monkeypatch, journal)
-            entry = await _dispatched_then_refused(journal, land=False)
-            entry.append(EventKind.RESULT_COMMITTED)
-            never: asyncio.Future = asyncio.get_running_loop().create_future()
-            await asyncio.wait_for(broker._repair(entry, 201, never), 10)
-            _, stored = await queries.events_of(journal.engine, entry.invocation_id, journal.decode_payload)
-            return project(stored).stage.value
-        finally:
-            await journal.close()
-            await journal.engine.dispose()
-
-    assert asyncio.run(scenario()) == "delivery_failed"
+    assert _stage_after_repair(db, monkeypatch, land=False, handed=False) == "delivery_failed"
 
 
 def test_a_repair_whose_read_back_of_a_landed_write_fails_tries_again_and_records_the_result(db, monkeypatch):
@@ -760,25 +745,36 @@ def test_a_repair_whose_read_back_of_a_landed_write_fails_tries_again_and_record
             raise ConnectionRefusedError(111, "Connect call failed (injected)")
         return await real(engine, invocation_id)
 
+    def break_the_read_back() -> None:
+        monkeypatch.setattr(queries, "event_rows", event_rows)
+
+    assert _stage_after_repair(db, monkeypatch, land=True, handed=True, then=break_the_read_back) == "delivered"
+    assert failed == [True], "the read back failed once, as injected"
+
+
+def _stage_after_repair(db: str, monkeypatch, *, land: bool, handed: bool, then: Callable[[], None] = lambda: None) -> str:
+    """The stage an invocation's record reaches once the broker's repair has recorded its result,
+    the result's write having been refused (and made, with ``land``). ``handed``: the caller had
+    the whole answer (else the hand-over is never confirmed). ``then`` runs just before the repair."""
     async def scenario() -> str:
         journal = Journal(make_engine(db), writer="w1")
         await journal.start()
         try:
             broker = _in_process_broker(db, monkeypatch, journal)
-            entry = await _dispatched_then_refused(journal, land=True)
+            entry = await _dispatched_then_refused(journal, land=land)
             entry.append(EventKind.RESULT_COMMITTED)
-            monkeypatch.setattr(queries, "event_rows", event_rows)
-            handed: asyncio.Future = asyncio.get_running_loop().create_future()
-            handed.set_result(None)  # the caller had the whole answer
-            await asyncio.wait_for(broker._repair(entry, 201, handed), 20)
+            then()
+            hand_over: asyncio.Future = asyncio.get_running_loop().create_future()
+            if handed:
+                hand_over.set_result(None)
+            await asyncio.wait_for(broker._repair(entry, 201, hand_over), 20)
             _, stored = await queries.events_of(journal.engine, entry.invocation_id, journal.decode_payload)
             return project(stored).stage.value
         finally:
             await journal.close()
             await journal.engine.dispose()
 
-    assert asyncio.run(scenario()) == "delivered"
-    assert failed == [True], "the read back failed once, as injected"
+    return asyncio.run(scenario())
 
 
 def _in_process_broker(db: str, monkeypatch, journal: Journal):
