@@ -120,7 +120,7 @@ def _away(error: BaseException) -> bool:
 
 def _row(row: Any) -> dict[str, Any]:
     """A row as a dict, its times in UTC with their offset (SQLite returns them without one)."""
-    return {k: v.replace(tzinfo=UTC) if isinstance(v, datetime) and v.tzinfo is None else v for k, v in row.items()}
+    return {k: _utc(v) if isinstance(v, datetime) else v for k, v in row.items()}
 
 
 async def invocation(engine: AsyncEngine, invocation_id: str) -> dict[str, Any] | None:
