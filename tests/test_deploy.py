@@ -943,3 +943,12 @@ def test_haproxy_gives_one_port_for_both_replicas(stack: Stack, upstream: Hostil
             os.killpg(lb.pid, signal.SIGKILL)
             lb.wait(5)
         log.close()
+
+
+def test_the_repository_top_level_is_the_fixed_layout():
+    """The top level is fixed (product.md): a stray file committed there (a shell redirect's
+    leftover, say) is caught here rather than shipped."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    top = {path.split("/", 1)[0] for path in tracked.splitlines()}
+    fixed = {"pyproject.toml", "README.md", "proxy", "migrations", "tests", "deploy", "docs", ".ci", "bench", ".gitignore"}
+    assert top == fixed, f"unexpected: {sorted(top - fixed)}, missing: {sorted(fixed - top)}"
