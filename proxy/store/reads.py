@@ -64,8 +64,12 @@ class ResultReader:
     async def _open_pg(self) -> asyncpg.Pool:
         async with self._opening:
             if self._pool is None:
+                # No connection floor (min_size=0): asyncpg keeps a floor by reconnecting in the
+                # background, and logs a warning with a traceback for every try that fails, so a
+                # database outage filled the log with a library's tracebacks the broker's own
+                # outage lines already say better. Without one, the next fetch connects.
                 self._pool = await asyncpg.create_pool(
-                    self._dsn, min_size=1, max_size=self._size, reset=_no_reset, timeout=self._timeout,
+                    self._dsn, min_size=0, max_size=self._size, reset=_no_reset, timeout=self._timeout,
                     command_timeout=self._timeout,
                 )
             return self._pool
