@@ -94,6 +94,7 @@ __all__ = [
     "checkpoint_row",
     "export_events",
     "load_database",
+    "read_checkpoints",
     "read_dump",
     "verify",
     "verify_database",
@@ -786,28 +787,44 @@ def read_dump(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Events and checkpoints from an :func:`export_events` file (line order does not matter)."""
     rows: list[dict[str, Any]] = []
     marks: list[dict[str, Any]] = []
+    for kind, item in _dump_lines(path, events=True):
+        (rows if kind == "event" else marks).append(item)
+    return rows, marks
+
+
+def read_checkpoints(path: Path) -> list[dict[str, Any]]:
+    """Only the checkpoints of an :func:`export_events` file (for ``verify --checkpoints``): the
+    file is read line by line and its events are checked to be lines of an export but not kept,
+    so an export of millions of events costs no more memory than its checkpoints."""
+    return [item for kind, item in _dump_lines(path, events=False) if kind == "checkpoint"]
+
+
+def _dump_lines(path: Path, events: bool) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(type, line)`` for each event and checkpoint line of a dump, in file order; the events'
+    payloads decoded if ``events``, else the events are only checked and yielded empty."""
+    number = 0
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        with Path(path).open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    item = json.loads(line)
+                    kind = item.pop("type")
+                    if kind == "event":
+                        _check_types(item, _EVENT_FIELDS)
+                        if events:
+                            item["payload"] = base64.b64decode(item["payload"], validate=True)
+                            yield kind, item
+                    elif kind == "checkpoint":
+                        _check_types(item, _CHECKPOINT_FIELDS)
+                        yield kind, item
+                    elif kind != EXPORT_FORMAT:
+                        raise ValueError(f"unknown line type {kind!r}")
+                except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as exc:
+                    raise AuditInputError(f"{path}:{number}: not a line of an audit export ({exc})") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise AuditInputError(f"{path}: cannot read the dump ({exc})") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-            kind = item.pop("type")
-            if kind == "event":
-                _check_types(item, _EVENT_FIELDS)
-                item["payload"] = base64.b64decode(item["payload"], validate=True)
-                rows.append(item)
-            elif kind == "checkpoint":
-                _check_types(item, _CHECKPOINT_FIELDS)
-                marks.append(item)
-            elif kind != EXPORT_FORMAT:
-                raise ValueError(f"unknown line type {kind!r}")
-        except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as exc:
-            raise AuditInputError(f"{path}:{number}: not a line of an audit export ({exc})") from None
-    return rows, marks
 
 
 _EVENT_FIELDS: dict[str, tuple[type, ...]] = {

@@ -174,7 +174,7 @@ def audit_verify(
     if database is not None and dump is not None:
         _fail("give --database or --dump, not both", 2)
     try:
-        extra = audit.read_dump(checkpoints)[1] if checkpoints is not None else []
+        extra = audit.read_checkpoints(checkpoints) if checkpoints is not None else []
         if dump is not None:
             result, source = audit.verify_dump(dump, extra), str(dump)
         else:

@@ -367,6 +367,36 @@ def test_a_chain_rewritten_with_recomputed_hashes_is_caught_only_by_an_earlier_e
 # -- dumps, keys and the command line ----------------------------------------------------------------------
 
 
+def test_an_earlier_export_held_only_for_its_checkpoints_is_read_in_small_memory(journal, tmp_path):
+    """`verify --checkpoints EXPORT` needs the export's checkpoints, not its events: reading it
+    whole (as `read_dump` does) took ~1.5 KB per event, gigabytes for a large journal's export."""
+    import tracemalloc
+
+    export = tmp_path / "earlier.jsonl"
+    audit.export_events(journal, export)
+    lines = export.read_text().splitlines()
+    event = json.loads(next(line for line in lines if '"type": "event"' in line))
+    event["payload"] = "A" * 800  # a payload of realistic size, base64
+    with export.open("a") as out:  # many more events, before the checkpoints that follow them
+        for n in range(40_000):
+            out.write(json.dumps({**event, "writer": "bulk", "writer_seq": n + 1, "seq": n + 1}) + "\n")
+        out.write(next(line for line in lines if '"type": "checkpoint"' in line) + "\n")
+    expected = audit.read_dump(export)[1]
+    assert expected, "the export holds checkpoints"
+    tracemalloc.start()
+    try:
+        marks = audit.read_checkpoints(export)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert marks == expected
+    assert peak < 4 * 2**20, f"reading the checkpoints peaked at {peak / 2**20:.1f} MiB"
+    with export.open("a") as out:
+        out.write('{"type": "event", "seq": "one"}\n')  # events are still checked to be export lines
+    with pytest.raises(audit.AuditInputError, match=r"earlier.jsonl:\d+: not a line of an audit export"):
+        audit.read_checkpoints(export)
+
+
 def test_verify_works_on_an_export_and_finds_the_same_break(journal, tmp_path):
     clean = tmp_path / "clean.jsonl"
     assert audit.export_events(journal, clean)[0] == len(WRITERS) * INVOCATIONS_PER_WRITER * EVENTS_PER_INVOCATION
