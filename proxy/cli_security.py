@@ -182,6 +182,11 @@ def audit_verify(
             result, source = audit.verify_database(url, extra), redact_url(url)
     except audit.AuditInputError as exc:
         _fail(str(exc), 2)
+    if dump is None and (newer := _newer_schema(url)) is not None:
+        typer.echo(f"affidavit: warning: {source} is at schema revision {newer[0]}, which a newer affidavit made (this "
+                   f"one knows up to {newer[1]}): events it stores in a form this version does not know can read as damage "
+                   "here, and damage in such a form can go unseen. Verify with the version that runs the brokers.",
+                   err=True)
     counts = (
         f"{result.events} event(s) in {result.writers} writer chain(s), {result.invocations} invocation(s), "
         f"{result.checkpoints} checkpoint(s)"
@@ -207,6 +212,19 @@ def audit_verify(
         err=True,
     )
     raise typer.Exit(1)
+
+
+def _newer_schema(url: str) -> tuple[str, str] | None:
+    """The journal's schema revision and this version's head if a newer affidavit made the
+    journal's; None if this version knows it, or it cannot be read (an auditor may be granted
+    only the two tables a verify reads)."""
+    from .store import migrate
+
+    try:
+        revision = migrate.current(url)
+    except Exception:
+        return None
+    return (revision, migrate.head()) if revision is not None and not migrate.known(revision) else None
 
 
 @audit_app.command("export")

@@ -480,6 +480,18 @@ def test_the_cli_verifies_ciphertext_without_any_key_and_names_the_break(journal
     assert both.exit_code == 2
 
 
+def test_verify_warns_when_a_newer_version_made_the_journals_schema(journal, tmp_path):
+    """A newer release may store events in a form this one does not know: its verdict then says
+    so, rather than passing or failing the chain in silence."""
+    known = run_cli("verify", "--database", journal, cwd=tmp_path)
+    assert known.returncode == 0 and "warning" not in known.stderr, known.stderr
+    tamper(journal, "UPDATE alembic_version SET version_num = 'f00dfeed0099'", tables=())
+    newer = run_cli("verify", "--database", journal, cwd=tmp_path)
+    assert newer.returncode == 0, newer.stderr
+    assert "intact" in newer.stdout
+    assert "schema revision f00dfeed0099, which a newer affidavit made" in newer.stderr, newer.stderr
+
+
 # -- append-only for the new tables -------------------------------------------------------------------------
 
 
