@@ -545,18 +545,24 @@ def create_app(
 
     @app.get("/v1/approvals", tags=["operators"], summary="Requests held for an operator's approval",
              responses=answers(401, 403, 503))
-    async def list_approvals(_who: Annotated[Principal, Depends(operator_only)]) -> dict[str, Any]:
+    async def list_approvals(
+        _who: Annotated[Principal, Depends(operator_only)],
+        after: Annotated[str | None, Query(pattern=_INVOCATION_ID, description="page: the `next` of the previous page "
+                                           "(an invocation id); anything else is a 422")] = None,
+        limit: Annotated[int, Query(ge=1, le=500)] = 200,
+    ) -> dict[str, Any]:
+        rows = await queries.held(engine, after=after, limit=limit)
+        requests = await queries.approval_requests(engine, [r["invocation_id"] for r in rows], journal.decode_payload)
         cards = []
         holders: dict[str, dict[str, Any] | None] = {}  # one heartbeat read per broker, not per card
-        for row in await queries.held(engine):
-            _, events = await queries.events_of(engine, row["invocation_id"], journal.decode_payload)
-            card = next((e.data for e in reversed(events) if e.kind.value == "APPROVAL_REQUESTED"), None)
+        for row in rows:
+            card = requests.get(row["invocation_id"])
             if card is not None:
                 if row["owner"] not in holders:
                     holders[row["owner"]] = await queries.holder(engine, row, stale_after)
                 cards.append({"invocation_id": row["invocation_id"], "requested_at": iso(row["updated_at"]),
                               **dict.fromkeys(CARD_FIELDS), **card, "owner": holders[row["owner"]]})
-        return {"items": cards}
+        return {"items": cards, "next": rows[-1]["invocation_id"] if len(rows) == limit else None}
 
     @app.post("/v1/approvals/{invocation_id}", tags=["operators"], summary="Approve or deny a held request",
               responses=answers(400, 401, 403, 404, 409, 413, 503))

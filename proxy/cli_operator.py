@@ -348,6 +348,10 @@ def _approvals() -> None:
     """Requests held for an operator's approval."""
 
 
+#: Cards asked for per side-API call by `approvals list`, which follows the pages to the end.
+APPROVALS_PAGE = 500
+
+
 @approvals_app.command("list")
 def approvals_list(
     config: ConfigOption = None,
@@ -355,7 +359,14 @@ def approvals_list(
 ) -> None:
     """Held requests with what each approval would authorise."""
     settings = settings_or_exit(config)
-    items = call_api(settings, "GET", "/v1/approvals")["items"]
+    items: list[dict[str, Any]] = []
+    page: dict[str, Any] = {"next": None}
+    while True:  # every page, oldest first: each starts past the last one's ids, so this ends
+        after = f"&after={page['next']}" if page["next"] else ""
+        page = call_api(settings, "GET", f"/v1/approvals?limit={APPROVALS_PAGE}{after}")
+        items.extend(page["items"])
+        if not page.get("next"):
+            break
     if as_json:
         for card in items:
             typer.echo(json.dumps(card))

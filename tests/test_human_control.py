@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
@@ -308,6 +309,48 @@ def test_an_approved_request_goes_through_and_the_card_says_exactly_what(broker,
     assert kinds[:6] == ["ACTION_ACCEPTED", "PREFLIGHT_VALIDATED", "APPROVAL_REQUESTED", "APPROVAL_GRANTED",
                          "CREDENTIAL_AUTHORIZED", "DISPATCH_STARTED"]
     assert len(sent(upstream)) == 1
+
+
+def test_approvals_are_listed_oldest_first_page_by_page_and_the_cli_follows_every_page(broker, upstream, monkeypatch):
+    """`GET /v1/approvals` answered at most 200 cards and never said there were more: with cards
+    of a stopped broker piling up (oldest first), a new one fell off the list unseen."""
+    tag = secrets.token_hex(4)
+    bodies = [f'{{"deploy":"page-{tag}-{n}"}}'.encode() for n in range(3)]
+    shas = [hashlib.sha256(body).hexdigest() for body in bodies]
+    held = []
+    for body, sha in zip(bodies, shas):  # one after another, so their ids (and ages) are in this order
+        held.append(Held(broker, body))
+        wait_for_card(broker, lambda c, sha=sha: c["body_sha256"] == sha)
+    ours = lambda items: [c for c in items if c["body_sha256"] in shas]  # noqa: E731 (other tests' cards may be held too)
+    pages, after = [], None
+    with broker.operator() as api:
+        for _ in range(50):
+            page = api.get("/v1/approvals", params={"limit": 2, **({"after": after} if after else {})}).json()
+            assert len(page["items"]) <= 2
+            pages.append(page["items"])
+            after = page["next"]
+            if after is None:
+                break
+        assert api.get("/v1/approvals", params={"after": "not-an-id"}).status_code == 422
+        assert api.get("/v1/approvals", params={"limit": 0}).status_code == 422
+    listed = [c["invocation_id"] for page in pages for c in page]
+    assert listed == sorted(listed) and len(set(listed)) == len(listed), "oldest first, each card once"
+    mine = [c["invocation_id"] for page in pages for c in ours(page)]
+    assert len(mine) == 3 and len(pages) >= 2, pages
+
+    from typer.testing import CliRunner
+
+    from proxy import cli_operator
+    from proxy.cli import app
+
+    monkeypatch.setattr(cli_operator, "APPROVALS_PAGE", 1)  # one card per call: the CLI must follow `next`
+    monkeypatch.chdir(broker.workdir)
+    done = CliRunner().invoke(app, ["approvals", "list", "--json", "--config", str(broker.config_path)], env=broker.env)
+    assert done.exit_code == 0, done.output
+    assert [c["invocation_id"] for c in ours(json.loads(line) for line in done.output.splitlines())] == mine
+    for invocation_id in mine:
+        cli(broker, "approvals", "deny", invocation_id)
+    assert all(h.response().status_code == 403 for h in held)
 
 
 def test_a_denied_request_is_not_attempted_and_sends_nothing(broker, upstream):

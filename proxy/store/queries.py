@@ -170,11 +170,29 @@ async def events_after(engine: AsyncEngine, invocation_id: str, seq: int, decode
     return decode_events(rows, decode)
 
 
-async def held(engine: AsyncEngine, limit: int = 200) -> list[dict[str, Any]]:
-    """Invocations waiting for an operator's approval, oldest first."""
-    query = select(invocations).where(invocations.c.stage == "held").order_by(invocations.c.created_at).limit(limit)
+async def held(engine: AsyncEngine, after: str | None = None, limit: int = 200) -> list[dict[str, Any]]:
+    """Invocations waiting for an operator's approval, oldest first (by id, which grows with time),
+    those after the invocation id ``after`` (paging)."""
+    c = invocations.c
+    query = select(invocations).where(c.stage == "held").order_by(c.invocation_id).limit(limit)
+    if after is not None:
+        query = query.where(c.invocation_id > after)
     async with engine.connect() as conn:
         return [_row(r) for r in (await conn.execute(query)).mappings().all()]
+
+
+async def approval_requests(engine: AsyncEngine, invocation_ids: list[str], decode: PayloadDecoder) -> dict[str, dict[str, Any]]:
+    """The card of each of ``invocation_ids``: the data of its latest ``APPROVAL_REQUESTED``
+    event, in one query for them all (an invocation with none is absent)."""
+    if not invocation_ids:
+        return {}
+    query = (select(events)
+             .where(events.c.invocation_id.in_(invocation_ids), events.c.kind == EventKind.APPROVAL_REQUESTED.value)
+             .order_by(events.c.invocation_id, events.c.seq))
+    async with engine.connect() as conn:
+        rows = [_row(r) for r in (await conn.execute(query)).mappings().all()]
+    latest = {row["invocation_id"]: row for row in rows}  # in seq order: the last one stays
+    return {invocation_id: event.data for invocation_id, event in zip(latest, decode_events(list(latest.values()), decode))}
 
 
 _RESULT_COLUMNS = (
