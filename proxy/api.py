@@ -12,7 +12,7 @@ import logging
 import math
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exception_handlers import http_exception_handler
@@ -276,6 +276,7 @@ def create_app(
     journal: Journal,
     broker: Broker | None = None,
     reader: ResultReader | None = None,
+    heartbeat_failing: Callable[[], bool] = lambda: False,
 ) -> FastAPI:
     app = FastAPI(
         title="Affidavit side API",
@@ -410,6 +411,11 @@ def create_app(
         except Exception:
             return JSONResponse({"status": "unavailable", "journal": "unreachable"}, status_code=503)
         if journal.write_problem is not None:  # reads work, but every write would be refused
+            return JSONResponse({"status": "unavailable", "journal": "unwritable"}, status_code=503)
+        if not journal.healthy and heartbeat_failing():
+            # Reads work, but the last batch failed and so did the heartbeat since (a full disk, a
+            # read-only database): requests would only be refused. Not the last batch alone: then
+            # no traffic would come to prove the journal back; the heartbeat goes on trying.
             return JSONResponse({"status": "unavailable", "journal": "unwritable"}, status_code=503)
         last_write = "ok" if journal.healthy else "failed"
         return JSONResponse({"status": "ready", "journal": "ok", "last_write": last_write})

@@ -229,7 +229,7 @@ async def serve(
     api_host, api_port = parse_listen(settings.api.listen)
     api = uvicorn.Server(
         uvicorn.Config(
-            create_app(engine, tokens, operator, journal, broker, reader),
+            create_app(engine, tokens, operator, journal, broker, reader, lambda: recovery.heartbeat_failing),
             log_config=None,
             access_log=False,
             http=BoundedHead,

@@ -163,6 +163,11 @@ class Recovery:
                 next_sweep = loop.time() + (self.sweep_every if self._twins_judged() else self._twin_wait)
             await asyncio.sleep(self.heartbeat)
 
+    @property
+    def heartbeat_failing(self) -> bool:
+        """Whether the last heartbeat (a write of its own, every ``heartbeat`` seconds) failed."""
+        return self._silent
+
     async def beat(self) -> None:
         now = utcnow()
         try:

@@ -704,16 +704,28 @@ def test_a_read_only_database_fails_closed(make_broker, upstream, pg_admin_url):
             refused = client.post(CRASH + "/h/ok", content=b"{}")
             assert refused.status_code == 503
             assert check_envelope(refused.content)["error"]["code"] == "JOURNAL_UNAVAILABLE"
+            # Reads still work, so only the failed writes say it: the last batch, then the next
+            # heartbeat. Until then a load balancer would keep sending requests to be refused.
+            assert _ready_within(broker, 10, want=503) == {"status": "unavailable", "journal": "unwritable"}
             query(pg_admin_url, f"ALTER DATABASE {database} SET default_transaction_read_only = off")
             query(pg_admin_url, terminate)
-            deadline = time.monotonic() + 15
-            while (again := client.post(CRASH + "/h/ok", content=b"{}")).status_code != 200 and time.monotonic() < deadline:
-                time.sleep(0.3)
-        assert again.status_code == 200
+            # The heartbeat, not traffic (a balancer sends none to an unready broker), proves it back.
+            assert _ready_within(broker, 15, want=200)["status"] == "ready"
+            again = client.post(CRASH + "/h/ok", content=b"{}")
+        assert again.status_code == 200, again.text
         assert upstream.effects == 1
         broker.stop()
     finally:
         drop()
+
+
+def _ready_within(broker, seconds: float, want: int) -> dict:
+    """``/readyz``'s answer once its status is ``want`` (fails after ``seconds``)."""
+    deadline = time.monotonic() + seconds
+    while (answer := httpx.get(broker.api_url + "/readyz", timeout=10)).status_code != want:
+        assert time.monotonic() < deadline, f"/readyz still {answer.status_code} {answer.text} after {seconds} s"
+        time.sleep(0.2)
+    return answer.json()
 
 
 def _alter(url: str, statement: str) -> None:
