@@ -1750,11 +1750,11 @@ def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
         return (f"The request path {shown(path)!r} is percent-encoded three times or more over ('%2525'), which "
                 "upstreams read in as many ways as they decode it. Nothing was sent and no secret was touched. "
                 "Encode the path once.")
-    # Only a path with a dot at a segment's start, or an encoded dot, slash, backslash, percent
-    # sign or non-ASCII character, or IIS's %u, can hold a dot-segment: the common path is not
-    # taken apart.
-    if path.startswith(".") or "/." in path or "\\." in path or "%2e" in low or "%2f." in low or "%5c." in low \
-            or "%25" in low or "%u" in low or "%c" in low or "%e" in low or "%f" in low:
+    # Only a path with a dot at a segment's start, a dot after a backslash, or any percent sign
+    # can hold a dot-segment: the common path is not taken apart. Any '%', not only escapes that
+    # already spell a dot, slash or percent sign: the escapes themselves may be escaped
+    # ('%%32%65' and '%2%65' are '%2e' after one decoding, '.' after two).
+    if path.startswith(".") or "/." in path or "\\." in path or "%" in path:
         for segment in path.split("/"):
             if hides_a_dot_segment(segment):
                 return (f"The request path {shown(path)!r} has a '.' or '..' segment (perhaps percent-encoded, in "

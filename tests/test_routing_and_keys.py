@@ -562,3 +562,20 @@ def test_a_refusal_names_an_ipv6_target_in_brackets():
 
     refused = match_route([], "builder", "http", "::1", 8080, "GET", "/x?q=1")
     assert isinstance(refused, Refusal) and "http://[::1]:8080/x." in refused.message, refused
+
+
+@pytest.mark.parametrize("path", [
+    "/h/%%32%65%%32%65/admin",  # '%' then '2' and 'e' escaped: '%2e' after one decoding, '.' after two
+    "/h/%2%65%2%65/admin",
+    "/h/%%32%45%2%45/admin",
+    "/h/x%%32%66..%%32%66..%%32%66admin",  # an escaped escape of '/' around plain dots
+    "/h/%%63%30%%61%65%%63%30%%61%65/admin",  # overlong UTF-8 dots, their escapes escaped
+])
+def test_a_dot_segment_behind_escaped_escapes_is_malformed(path):
+    """An upstream that decodes twice reads '%%32%65' as '.', just as it reads '%252e': the path
+    must be taken apart whatever its escapes look like before decoding, not only when they
+    already spell an encoded dot, slash or percent sign."""
+    from proxy.broker import AgentRequest, malformed_request
+
+    req = AgentRequest(agent="a", scheme="https", host="api.test", port=443, method="GET", path=path, headers=[], body=b"")
+    assert malformed_request(req, "Idempotency-Key") is not None
