@@ -28,7 +28,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 from . import decisions, metrics
@@ -68,7 +68,7 @@ from .envelope import MEDIA_TYPE, encode, envelope, status_for
 from .logs import LogThrottle
 from .fingerprint import approval_fingerprint, body_sha256, config_digest, fingerprint, normalized_target
 from .invocation_log import Identity, InvocationLog, aware as _aware, identity_of, new_invocation_id, utcnow
-from .routing import Refusal, hides_a_dot_segment, match_route
+from .routing import Refusal, fully_decoded, hides_a_dot_segment, match_route
 from .failpoints import failpoint
 from .invocation_view import operation_of, retention_open
 from .recovery import closing_events
@@ -1746,7 +1746,7 @@ def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
                 "Nothing was sent and no secret was touched. Percent-encode it.")
     path = req.path.split("?", 1)[0]
     low = path.lower()
-    if "%2525" in low:
+    if "%2525" in low or ("%" in path and _decodes_further(path)):
         return (f"The request path {shown(path)!r} is percent-encoded three times or more over ('%2525'), which "
                 "upstreams read in as many ways as they decode it. Nothing was sent and no secret was touched. "
                 "Encode the path once.")
@@ -1782,6 +1782,14 @@ def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
         return (f"The {idempotency_header} header is {len(key)} characters long; the broker keeps keys of at most "
                 f"{MAX_KEY_LENGTH}. Nothing was sent. Use a shorter key (a UUID is 36).")
     return None
+
+
+def _decodes_further(path: str) -> bool:
+    """Whether ``path`` still holds an escape after every decoding the broker reads it through
+    (:func:`proxy.routing.fully_decoded`): encoded more deeply than the broker looks, whether
+    as ``%2525...`` or with its escapes' own characters escaped (``%%32%35`` is ``%25``)."""
+    decoded = fully_decoded(path)
+    return "%" in decoded and unquote(decoded, errors="surrogateescape") != decoded
 
 
 def shown(text: str, limit: int = 200) -> str:

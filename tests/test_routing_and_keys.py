@@ -579,3 +579,25 @@ def test_a_dot_segment_behind_escaped_escapes_is_malformed(path):
 
     req = AgentRequest(agent="a", scheme="https", host="api.test", port=443, method="GET", path=path, headers=[], body=b"")
     assert malformed_request(req, "Idempotency-Key") is not None
+
+
+@pytest.mark.parametrize("path", [
+    # '%2e' after the three decodings the broker reads through, '.' after a fourth: the same
+    # depth as '%2525...', spelled without '%2525'.
+    "/h/%%32%35%%32%35%33%32%%32%35%36%35%%32%35%%32%35%33%32%%32%35%36%35/admin",
+    "/h/%%32%35%%32%35%33%32%%32%35%36%35/x",
+])
+def test_a_path_still_encoded_after_every_decoding_the_broker_reads_is_malformed(path):
+    from proxy.broker import AgentRequest, malformed_request
+
+    req = AgentRequest(agent="a", scheme="https", host="api.test", port=443, method="GET", path=path, headers=[], body=b"")
+    why = malformed_request(req, "Idempotency-Key")
+    assert why is not None and "three times or more" in why
+
+
+@pytest.mark.parametrize("path", ["/files/100%25", "/a%252Fb/c", "/files/my%20report.pdf", "/x/%%", "/x/50%"])
+def test_a_path_whose_decodings_settle_is_not_refused_for_its_depth(path):
+    from proxy.broker import AgentRequest, malformed_request
+
+    req = AgentRequest(agent="a", scheme="https", host="api.test", port=443, method="GET", path=path, headers=[], body=b"")
+    assert malformed_request(req, "Idempotency-Key") is None
