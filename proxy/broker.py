@@ -1571,7 +1571,8 @@ class Broker:
         except LeaseLost:
             return self._lease_lost(entry)
         retry = entry.retry_for(entry.record) or Retry.AFTER_CORRECTION  # a re-attempt's: its retention and budget count
-        return self._envelope_reply(entry, code, phase, Outcome.NOT_ATTEMPTED, retry, message)
+        # This attempt sent nothing; a re-send's invocation was sent before, and stays unknown.
+        return self._envelope_reply(entry, code, phase, entry.record.outcome, retry, message)
 
     def _lease_lost(self, entry: InvocationLog, *, refused_dispatch: bool = False) -> Reply:
         """A stale re-send was fenced before dispatch; another broker owns the invocation now.
@@ -1607,7 +1608,16 @@ class Broker:
             self._in_background(self._close_when_journal_returns(entry))
         # This attempt's DISPATCH_STARTED was the write refused, and may have landed.
         unconfirmed = entry is not None and entry.record.stage is Stage.DISPATCHED
-        if message is None and invocation_id is None:
+        # A re-send's earlier attempts were dispatched: this one sent nothing, but the invocation
+        # stays unknown (as with _lease_lost: only earlier dispatches count, never the refused one).
+        earlier = entry.record.dispatch_count - (1 if unconfirmed else 0) if entry is not None else 0
+        outcome = Outcome.UNKNOWN if earlier > 0 and invocation_id is not None else Outcome.NOT_ATTEMPTED
+        if message is None and outcome is Outcome.UNKNOWN:
+            message = (f"The broker cannot write its journal, so this attempt sent nothing (it never forwards without a "
+                       f"durable record). An earlier attempt of invocation {invocation_id} was sent, so its outcome "
+                       "stays unknown. Retry after a delay with the same key (GET /v1/invocations/{id} says what a "
+                       "repeat may do); operators: check the database.")
+        elif message is None and invocation_id is None:
             message = ("The broker cannot write its journal, so it sent nothing (it never forwards without a durable "
                        "record). No invocation was recorded" + (
                            f", unless its write reached the database unconfirmed: then invocation {entry.invocation_id} "
@@ -1622,10 +1632,10 @@ class Broker:
                            "sent, but the record cannot prove it: its retry hint then says what a repeat may do, "
                            "GET /v1/invocations/{id})" if unconfirmed else "") +
                        ". Retry after a delay with the same key; operators: check the database.")
-        body = envelope(invocation_id, Code.JOURNAL_UNAVAILABLE, Phase.VALIDATION, Outcome.NOT_ATTEMPTED, Retry.BACKOFF,
-                        message, {"dispatch_started": False})
+        body = envelope(invocation_id, Code.JOURNAL_UNAVAILABLE, Phase.VALIDATION, outcome, Retry.BACKOFF,
+                        message, {"dispatch_started": outcome is Outcome.UNKNOWN})
         headers = [("Content-Type", MEDIA_TYPE), ("Retry-After", "1"), (CODE_HEADER, Code.JOURNAL_UNAVAILABLE.value),
-                   (OUTCOME_HEADER, Outcome.NOT_ATTEMPTED.value), *should_retry(Retry.BACKOFF)]
+                   (OUTCOME_HEADER, outcome.value), *should_retry(Retry.BACKOFF)]
         if invocation_id is not None:
             headers.append((INVOCATION_HEADER, invocation_id))
         return Reply(503, headers, encode(body), invocation_id)

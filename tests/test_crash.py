@@ -1236,3 +1236,55 @@ def test_soak_mixed_hostile_traffic(make_broker, upstream, report):
     per_behaviour = total // len(BEHAVIOURS)
     assert int(by_outcome["unknown"]) >= 3 * per_behaviour  # short body, close after effect, truncated chunks
     assert rss["end"] < rss["warm"] * 1.3 + 20_000, rss
+
+
+def test_a_resend_refused_at_its_dispatch_write_keeps_the_earlier_dispatch_in_its_answer(relayed_pg, make_broker, upstream):
+    """A same-key re-send of an invocation whose first attempt was dispatched (outcome unknown)
+    meets a journal that refuses its DISPATCH_STARTED. This attempt sent nothing, but the
+    invocation was sent before: its answer says unknown, as its record does, never not_attempted
+    (which tells an agent the operation never left, and that a new one is safe)."""
+    url, relay = relayed_pg
+    broker = _start_on(make_broker, upstream, url, env={"AFFIDAVIT_FAILPOINTS": "during_tls=pause:1.5@2"})
+    key = f"rs-{time.monotonic_ns()}"
+    first = post(broker, SAFE + "/h/close_after_effect", key)
+    lost = check_envelope(first.content)
+    assert (lost["error"]["outcome"], lost["error"]["retry"]) == ("unknown", "same_idempotency_key"), lost
+    result: dict[str, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: result.setdefault("r", post(broker, SAFE + "/h/close_after_effect", key)))
+    thread.start()
+    time.sleep(0.7)  # the re-send holds its lease; the broker pauses before its DISPATCH_STARTED write
+    relay.cut()
+    thread.join(20)
+    second = result["r"]
+    body = check_envelope(second.content)
+    assert (second.status_code, body["error"]["code"], body["invocation_id"]) == (503, "JOURNAL_UNAVAILABLE", lost["invocation_id"])
+    assert (body["error"]["outcome"], second.headers["affidavit-outcome"]) == ("unknown", "unknown"), body
+    assert body["evidence"]["dispatch_started"] is True, "of the invocation, as its outcome"
+    assert "closed as not attempted" not in body["error"]["message"], body
+    assert upstream.effects == 1, "the re-send sent nothing"
+    relay.restore()
+    record = broker.wait_for(lost["invocation_id"], lambda r: r["retry"] is not None, timeout=20)
+    assert record["outcome"] == "unknown", record
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_a_resend_refused_before_dispatch_keeps_the_earlier_dispatch_in_its_answer(make_broker, upstream, dialect):
+    """The same for a re-send refused before dispatch (here its credential has gone): the record
+    stays unknown, and so does the answer, which says the earlier dispatch in its evidence too."""
+    routes = crash_routes(upstream)
+    routes[1] = {**routes[1], "credential": "payments-key", "inject": {"header": "X-Api-Key"}}
+    broker = make_broker(dialect, routes=routes)
+    key = f"rc-{time.monotonic_ns()}"
+    lost = check_envelope(post(broker, SAFE + "/h/close_after_effect", key).content)
+    assert lost["error"]["outcome"] == "unknown", lost
+    broker.stop()
+    broker.env.pop("PAYMENTS_KEY")
+    broker.start()
+    second = post(broker, SAFE + "/h/close_after_effect", key)
+    body = check_envelope(second.content)
+    assert (body["error"]["code"], body["invocation_id"]) == ("CREDENTIAL_MISSING", lost["invocation_id"]), body
+    assert (body["error"]["outcome"], second.headers["affidavit-outcome"]) == ("unknown", "unknown"), body
+    assert body["evidence"]["dispatch_started"] is True
+    record = broker.invocation(lost["invocation_id"])
+    assert (record["outcome"], record["code"]) == ("unknown", "CREDENTIAL_MISSING"), record
+    assert upstream.effects == 1
