@@ -1926,7 +1926,13 @@ _HEAD_TOO_LARGE = (
 
 
 def _message(code: Code, outcome: Outcome) -> str:
-    return _MESSAGES.get(code, f"The request ended with {code.value}; the outcome is {outcome.value}.")
+    message = _MESSAGES.get(code, f"The request ended with {code.value}; the outcome is {outcome.value}.")
+    if outcome is Outcome.UNKNOWN and " Nothing was sent." in message:
+        # A re-send that failed before its own dispatch: the invocation was sent by an earlier attempt.
+        cause = message.split(" Nothing was sent.", 1)[0]
+        message = (f"{cause} This attempt sent nothing, but an earlier attempt of this invocation was sent, so the "
+                   "effect is unknown: do not blindly re-send; follow the retry hint.")
+    return message
 
 
 T = TypeVar("T")

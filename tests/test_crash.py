@@ -1288,3 +1288,23 @@ def test_a_resend_refused_before_dispatch_keeps_the_earlier_dispatch_in_its_answ
     record = broker.invocation(lost["invocation_id"])
     assert (record["outcome"], record["code"]) == ("unknown", "CREDENTIAL_MISSING"), record
     assert upstream.effects == 1
+
+
+def test_a_resend_that_cannot_connect_does_not_say_nothing_was_sent(make_broker, upstream):
+    """A same-key re-send whose new connection fails (refused here) sent nothing itself, but the
+    invocation's first attempt was sent: outcome unknown, and the message must not tell a reader
+    (an agent reads it) that nothing was sent and that retrying is safe."""
+    with TcpRelay("127.0.0.1", upstream.tls_port("good")) as relay:
+        routes = crash_routes(upstream)
+        routes[1] = {**routes[1], "connect_to": f"127.0.0.1:{relay.listen_port}"}
+        broker = make_broker("sqlite", routes=routes)
+        key = f"rr-{time.monotonic_ns()}"
+        lost = check_envelope(post(broker, SAFE + "/h/close_after_effect", key).content)
+        assert lost["error"]["outcome"] == "unknown", lost
+        relay.stop()
+        second = post(broker, SAFE + "/h/close_after_effect", key)
+    body = check_envelope(second.content)
+    assert (body["error"]["code"], body["error"]["outcome"]) == ("CONNECT_REFUSED", "unknown"), body
+    assert "Nothing was sent" not in body["error"]["message"] and "is safe" not in body["error"]["message"], body
+    assert "earlier attempt" in body["error"]["message"], body
+    assert upstream.effects == 1
