@@ -1111,9 +1111,15 @@ class Broker:
                     await entry.commit()
                 except (JournalUnavailable, LeaseLost):
                     pass  # the denial stands whatever this fact's fate; the agent is told either way
+                # A re-send's denial: this attempt sent nothing, but an earlier one was sent, and
+                # the invocation's outcome stays what the record says (unknown).
+                outcome = entry.record.outcome or Outcome.NOT_ATTEMPTED
                 return self._envelope_reply(
-                    entry, Code.APPROVAL_DENIED, Phase.CREDENTIAL_INJECTION, Outcome.NOT_ATTEMPTED, Retry.AFTER_CORRECTION,
-                    "An operator denied this request. Nothing was sent and no secret was touched.",
+                    entry, Code.APPROVAL_DENIED, Phase.CREDENTIAL_INJECTION, outcome, Retry.AFTER_CORRECTION,
+                    "An operator denied this request. Nothing was sent and no secret was touched." if outcome is
+                    Outcome.NOT_ATTEMPTED else "An operator denied this repeat, so this attempt sent nothing and "
+                    "touched no secret. An earlier attempt of this invocation was sent, so its effect is unknown: do "
+                    "not send it again as a new operation; have it reconciled (GET /v1/invocations/{id}).",
                 )
             if req.caller_gone.is_set() and self.stopping:
                 # This broker cut the connection: the request stays held, for the agent's repeat

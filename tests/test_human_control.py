@@ -466,6 +466,21 @@ def test_a_retry_after_an_unknown_outcome_asks_again_and_says_so(broker, upstrea
     assert upstream.effects_by_key[key] == 1 and len(sent(upstream)) == 2
 
 
+def test_a_denied_repeat_of_an_unknown_outcome_says_unknown_not_never_sent(broker, upstream):
+    """The repeat sent nothing, but the first attempt was sent: an answer saying `not_attempted`
+    would tell the agent a new operation (a new key) is safe, and that can be a second effect."""
+    key = "deploy_" + secrets.token_hex(6)
+    again, card = _uncertain_then_held_again(broker, key)
+    cli(broker, "approvals", "deny", card["invocation_id"])
+    response = again.response()
+    denied = check_envelope(response.content)
+    assert (response.status_code, denied["error"]["code"]) == (403, "APPROVAL_DENIED")
+    assert denied["error"]["outcome"] == "unknown" and response.headers["affidavit-outcome"] == "unknown", denied
+    assert "earlier attempt" in denied["error"]["message"] and denied["evidence"]["dispatch_started"] is True, denied
+    assert broker.invocation(card["invocation_id"])["outcome"] == "unknown"
+    assert upstream.effects_by_key[key] == 1
+
+
 def _uncertain_then_held_again(broker: BrokerProcess, key: str) -> tuple[Held, dict[str, Any]]:
     """A keyed, approved request whose answer was lost (unknown), and its repeat held again for
     approval (a re-send card): the repeat, and its card."""
