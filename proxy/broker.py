@@ -647,6 +647,15 @@ class Broker:
                 "whether a repeat is safe). Nothing was sent. Send the request with the method it means, and "
                 "without the header.",
             )
+        if (override := _path_override(req)) is not None:
+            name, asked = override
+            return (
+                Code.UNSUPPORTED_ACTION,
+                f"The request is for {shown(req.path)!r}, but its {name} header asks the service for {shown(asked)!r}. "
+                "Some servers (IIS URL Rewrite, frameworks behind it) serve that path instead, which route "
+                f"'{route.name}' was not checked against and which the record would misstate. Nothing was sent. "
+                "Request the path you mean, without the header.",
+            )
         limit = int(route.max_body if route.max_body is not None else self.settings.proxy.max_body)
         if len(req.body) > limit:
             return (
@@ -1834,6 +1843,19 @@ def _method_override(req: AgentRequest) -> tuple[str, str] | None:
     method = req.method.upper()
     for name, value in req.headers:
         if name.lower() in METHOD_OVERRIDE_HEADERS and value.strip() and value.strip().upper() != method:
+            return name, value.strip()
+    return None
+
+
+PATH_OVERRIDE_HEADERS = ("x-original-url", "x-rewrite-url", "x-override-url")
+
+
+def _path_override(req: AgentRequest) -> tuple[str, str] | None:
+    """(header, value) of the first path-override header that names another target than the
+    request's own (as :func:`_method_override`, for the path: routes are checked on the
+    request's). Naming the request's own path (and query) asks for nothing new."""
+    for name, value in req.headers:
+        if name.lower() in PATH_OVERRIDE_HEADERS and value.strip() and value.strip() != req.path:
             return name, value.strip()
     return None
 

@@ -981,6 +981,30 @@ def test_a_method_override_header_naming_another_method_is_refused_before_anythi
     assert forwarded.method == "POST" and forwarded.header(header) == "post"
 
 
+@pytest.mark.parametrize("header", ["X-Original-URL", "X-Rewrite-URL", "x-override-url"])
+def test_a_path_override_header_naming_another_path_is_refused_before_anything_is_sent(
+    broker: BrokerProcess, upstream: HostileUpstream, header: str
+):
+    """IIS URL Rewrite (and frameworks behind it) serve the path X-Original-URL names: a request
+    the route allows for /h/ok could have the service act on /admin. Refused, nothing sent; the
+    header naming the request's own path asks for nothing new."""
+    upstream.reset()
+    with broker.client() as client:
+        refused = client.get(f"{PAYMENTS}/h/ok", headers={header: "/admin/delete-all"})
+        same = client.get(f"{PAYMENTS}/h/ok?x=1", headers={header: "/h/ok?x=1"})
+    SEEN.append(refused.text)
+    assert refused.status_code == 405, refused.text
+    body = check_envelope(refused.content)
+    assert (body["error"]["code"], body["error"]["phase"], body["error"]["outcome"]) == \
+        ("UNSUPPORTED_ACTION", "validation", "not_attempted")
+    message = body["error"]["message"]
+    assert header in message and "'/admin/delete-all'" in message and "Nothing was sent" in message, message
+    assert "DISPATCH_STARTED" not in [e["kind"] for e in broker.invocation(body["invocation_id"])["events"]]
+    assert same.status_code == 200, same.text
+    [forwarded] = upstream.received
+    assert forwarded.header(header) == "/h/ok?x=1"
+
+
 def test_fields_a_connection_header_names_do_not_cross_the_broker(broker: BrokerProcess, upstream: HostileUpstream):
     """RFC 9110 7.6.1: a proxy removes the fields ``Connection`` names, both ways. A field the
     agent marks as its hop's only is not sent (nor fingerprinted); one the upstream marks so is
