@@ -170,7 +170,7 @@ def db_upgrade(config: ConfigOption = None) -> None:
         raise typer.Exit(1) from None
     head, url = migrate.head(), redact_url(settings.database.url)
     if new_file:
-        done = f"created the journal file {Path(database).absolute()}"  # type: ignore[arg-type]
+        done = f"created the journal file {migrate.sqlite_where(database)}"  # type: ignore[arg-type]
     elif before is None:
         done = "created the journal's schema"
     elif before == head:

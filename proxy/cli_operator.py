@@ -74,7 +74,7 @@ def ring_of(settings: Settings) -> KeyRing:
 def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
     """Run ``work(engine)`` against the configured journal; a database error is one clear line.
     A SQLite journal that does not exist is said so (connecting would create an empty file)."""
-    from .store.migrate import sqlite_file, sqlite_file_problem
+    from .store.migrate import sqlite_file, sqlite_file_problem, sqlite_where
 
     database = sqlite_file(settings.database.url)
     if (problem := sqlite_file_problem(settings.database.url)) is not None:
@@ -82,8 +82,8 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
         raise typer.Exit(1)
     if database is not None and not Path(database).is_file():
         typer.echo(
-            f"affidavit: no journal at {database}: nothing was recorded there, or this is not the "
-            "broker's directory; run it there or pass --config",
+            f"affidavit: no journal at {sqlite_where(database)}: nothing was recorded there, or this is not "
+            "the broker's directory; run the command where the broker runs, or pass its --config",
             err=True,
         )
         raise typer.Exit(1)

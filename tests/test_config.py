@@ -330,8 +330,17 @@ def test_a_read_command_in_the_wrong_directory_says_so_and_creates_nothing(tmp_p
     done = subprocess.run([AFFIDAVIT, "invocations", "list"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
     assert done.returncode == 1, done.stderr
     assert f"no --config and no affidavit.toml in {tmp_path}" in done.stderr
-    assert "no journal at ./affidavit.db" in done.stderr and "Traceback" not in done.stderr
+    assert f"no journal at {tmp_path / 'affidavit.db'} (database.url's path ./affidavit.db is relative: it is read " \
+        f"from the working directory {tmp_path})" in done.stderr and "Traceback" not in done.stderr
     assert list(tmp_path.iterdir()) == [], "a read command left a file behind"
+    # A --config elsewhere does not move a relative path: the message says where it was looked for.
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-broker"
+    elsewhere.mkdir()
+    (elsewhere / "affidavit.toml").write_text('[database]\nurl = "sqlite+aiosqlite:///./affidavit.db"\n')
+    done = subprocess.run([AFFIDAVIT, "invocations", "list", "-c", str(elsewhere / "affidavit.toml")],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 1 and f"working directory {tmp_path})" in done.stderr, done.stderr
+    assert "run the command where the broker runs, or pass its --config" in done.stderr
 
 
 @pytest.mark.parametrize("where", ["a directory", "a missing directory"])

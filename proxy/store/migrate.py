@@ -52,6 +52,16 @@ def sqlite_file(url: str) -> str | None:
     return parsed.database
 
 
+def sqlite_where(database: str) -> str:
+    """A SQLite path for a message: absolute, and, when written relative, where it was resolved
+    from (the working directory, not the configuration file's: a command given ``-c`` elsewhere
+    looks in the wrong place)."""
+    path = Path(database)
+    if path.is_absolute():
+        return str(path)
+    return f"{path.absolute()} (database.url's path {database} is relative: it is read from the working directory {Path.cwd()})"
+
+
 def sqlite_file_problem(url: str) -> str | None:
     """Why the SQLite journal file at ``url`` cannot be opened (a directory, or a directory that
     does not exist), said before SQLite says only "unable to open database file"; None for
