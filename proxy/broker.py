@@ -32,7 +32,7 @@ from urllib.parse import quote, unquote, urlsplit
 from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 from . import decisions, metrics
-from .config import Route, Settings
+from .config import Route, Settings, parse_listen
 from .contract import (
     CallerDisposition,
     Certainty,
@@ -623,11 +623,24 @@ class Broker:
         await failpoint("before_credential")
         return await self._attempt(entry, req, route, key, generated)
 
+    def _is_side_api(self, req: AgentRequest) -> bool:
+        """Whether ``req`` is for this broker's side API (an agent that proxies its calls there)."""
+        host, port = parse_listen(self.settings.api.listen)
+        here = {host.strip("[]").lower()}
+        if host in ("0.0.0.0", "::", "") or host.startswith("127.") or host in ("::1", "localhost"):
+            here |= {"127.0.0.1", "localhost", "::1"}
+        return req.port == port and req.host.strip("[]").lower() in here
+
     def _preflight(self, matched: Route | Refusal, req: AgentRequest) -> tuple[Code, str] | None:
         """Checks that need no secret and no I/O; a refusal is ``validation/not_attempted``."""
         if (malformed := malformed_request(req, self.settings.proxy.idempotency_header)) is not None:
             return Code.MALFORMED_REQUEST, malformed
         if isinstance(matched, Refusal):
+            if matched.code is Code.INVALID_TARGET and self._is_side_api(req):
+                return matched.code, (
+                    f"{req.scheme}://{req.host}:{req.port} is this broker's own side API, which agents call directly, "
+                    "not through the proxy. Nothing was sent. Exempt it from the proxy (NO_PROXY, as `affidavit env` "
+                    "prints it) and call it again.")
             return matched.code, matched.message
         route = matched
         if _asks_for_websocket(req):

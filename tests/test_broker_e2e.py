@@ -346,7 +346,12 @@ def test_refusals_are_recorded_envelopes_and_send_nothing(broker: BrokerProcess,
         override = _refused(client.get(f"{PAYMENTS}/h/ok", headers={"Authorization": "Bearer mine"}), 403, "FORBIDDEN_HEADER_OVERRIDE")
         method = _refused(client.request("PATCH", f"{PAYMENTS}/h/ok"), 405, "UNSUPPORTED_ACTION")
         too_big = _refused(client.post(f"{PAYMENTS}/h/ok", content=b"x" * (64 * 1024 + 1)), 413, "PAYLOAD_LIMIT")
+        # The side API called through the proxy: no route could ever be right, so the answer says
+        # to call it directly rather than to ask an operator for one.
+        side_api = _refused(client.get(broker.api_url + "/v1/invocations"), 403, "INVALID_TARGET")
     assert upstream.received == []
+    assert "this broker's own side API" in side_api["error"]["message"] and "NO_PROXY" in side_api["error"]["message"]
+    assert "side API" not in no_route["error"]["message"]
     for body in (no_route, not_mine, override, method, too_big):
         record = broker.invocation(body["invocation_id"])
         assert record["outcome"] == "not_attempted"
