@@ -526,13 +526,17 @@ def call_with_recovery(
     def pause(seconds: float) -> None:
         nonlocal waited
         if waited + seconds > max_wait:
-            raise AttemptsExhausted(f"waited {waited:.1f}s of max_wait={max_wait}s", envelope, invocation)
+            raise AttemptsExhausted(
+                f"gave up after waiting {waited:.1f}s of max_wait={max_wait}s while the record still allows a retry; "
+                f"call again later with the same key {key!r} (or allow a longer max_wait)", envelope, invocation)
         waited += seconds
         sleep(seconds)
 
     while True:
         if attempts >= max_attempts:
-            raise AttemptsExhausted(f"{attempts} sends and a retry is still allowed", envelope, invocation)
+            raise AttemptsExhausted(
+                f"gave up after {attempts} sends (max_attempts) while the record still allows a retry; call again "
+                f"later with the same key {key!r} (or allow more max_attempts)", envelope, invocation)
         attempts += 1
         try:
             reply = as_result(send({header: key}))

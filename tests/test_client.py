@@ -284,6 +284,7 @@ def test_waiting_is_bounded():
     with pytest.raises(AttemptsExhausted) as raised:
         call_with_recovery(Sender(broker_envelope()), api, "k", sleep=lambda s: None, max_wait=1.0)
     assert raised.value.invocation is not None and raised.value.invocation.next_action is NextAction.WAIT
+    assert "call again later with the same key 'k'" in str(raised.value), "says what to do next"
 
 
 def test_reconcile_and_correction_stop_without_another_send():
