@@ -422,7 +422,9 @@ class _Exchange:
                 code=exc.code.value,
                 diagnostic=exc.diagnostic,
             )
-            return _Settled(setup=exc, attempt=self.attempt)
+            # Cut by this broker's own stop: nothing about the upstream's reachability is known.
+            stopping = _STOPPING if self.broker.stopping else None
+            return _Settled(setup=exc, attempt=self.attempt, message=stopping)
         except ExchangeFailed as exc:
             if not exc.request_complete:
                 self.request_written = False  # the transport's word only counts when complete
@@ -1345,6 +1347,8 @@ class Broker:
         code = record.code or Code.REMOTE_OUTCOME_UNKNOWN
         retry = entry.retry_for(record) or Retry.BACKOFF
         message = settled.message or _message(code, record.outcome)
+        if settled.message is _STOPPING:
+            message = _message(code, record.outcome, _STOPPING)
         return self._envelope_reply(entry, code, record.phase, record.outcome, retry, message)
 
     async def _close_when_journal_returns(self, refused: InvocationLog, *, answered: bool = True) -> None:
@@ -1935,6 +1939,8 @@ def _provisional_end(entry: InvocationLog) -> tuple[Outcome, Retry]:
 
 
 _RETRY_LATER = " Retrying later is safe; if it persists, an operator should check the route's host, port or connect_to."
+_STOPPING = ("The broker is stopping (a restart or a scale-down), so it did not send this request. Nothing was sent. "
+             "Retrying in a moment is safe (another broker, or this one once it is back, takes it).")
 _CERTIFICATE = " Do not retry until an operator has checked the upstream's certificate or the route's ca_bundle."
 
 _MESSAGES = {
@@ -1966,8 +1972,10 @@ _HEAD_TOO_LARGE = (
 )
 
 
-def _message(code: Code, outcome: Outcome) -> str:
-    message = _MESSAGES.get(code, f"The request ended with {code.value}; the outcome is {outcome.value}.")
+def _message(code: Code, outcome: Outcome, message: str | None = None) -> str:
+    """The envelope's message for ``code`` (or ``message``), said of a re-send when ``outcome``
+    is unknown: this attempt sent nothing, an earlier one was sent."""
+    message = message or _MESSAGES.get(code, f"The request ended with {code.value}; the outcome is {outcome.value}.")
     if outcome is Outcome.UNKNOWN and " Nothing was sent." in message:
         # A re-send that failed before its own dispatch: the invocation was sent by an earlier attempt.
         cause = message.split(" Nothing was sent.", 1)[0]

@@ -234,12 +234,17 @@ def test_a_request_not_yet_dispatched_at_a_clean_stop_is_never_sent(make_broker,
     broker is stopping, and the record says not_attempted."""
     broker = make_broker(routes=crash_routes(upstream), env={"AFFIDAVIT_FAILPOINTS": "before_credential=pause:2@1"})
     key = f"stopping-{time.monotonic_ns()}"
-    thread = threading.Thread(target=lambda: _quietly(lambda: post(broker, SAFE + "/h/ok", key)))
+    answers: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: _quietly(lambda: answers.append(post(broker, SAFE + "/h/ok", key))))
     thread.start()
     time.sleep(0.7)  # the key is bound; the broker pauses before the credential
     assert broker.stop() == 0
     thread.join(20)
     assert upstream.received == [], "nothing is sent once the broker is stopping"
+    # The agent is told the broker stopped, not that the upstream was unreachable (check its host).
+    [answer] = answers
+    message = check_envelope(answer.content)["error"]["message"]
+    assert message.startswith("The broker is stopping") and "connect_to" not in message, message
     invocation_id = record_by_key(broker, key)
     rows = query(broker.database_url, f"SELECT outcome, code FROM invocations WHERE invocation_id = '{invocation_id}'")
     assert rows == [("not_attempted", "CONNECT_FAILED")], rows
