@@ -306,7 +306,9 @@ def operator_api(settings: Settings) -> Any:
     from .credentials import CredentialUnavailable, read_source
 
     if not settings.api.operator_token:
-        typer.echo("affidavit: api.operator_token is not configured; operator commands need it", err=True)
+        typer.echo("affidavit: api.operator_token is not configured; operator commands need it. Set it in the "
+                   "broker's configuration ([api] operator_token = \"file:/path/to/token\" or \"env:VARIABLE\", "
+                   "docs/configuration.md) and restart the broker: it reads the token when it starts.", err=True)
         raise typer.Exit(2)
     try:
         token, _ = read_source(settings.api.operator_token, what="api.operator_token")
@@ -321,8 +323,9 @@ def operator_api(settings: Settings) -> Any:
 def call_api(settings: Settings, method: str, path: str, body: Any = None) -> Any:
     from .client import SideAPIUnavailable
 
+    api = operator_api(settings)
     try:
-        status, answer = operator_api(settings).call(method, path, body)
+        status, answer = api.call(method, path, body)
     except SideAPIUnavailable as exc:
         typer.echo(f"affidavit: {exc} (is the broker running?)", err=True)
         raise typer.Exit(1) from None
@@ -338,7 +341,11 @@ def call_api(settings: Settings, method: str, path: str, body: Any = None) -> An
             detail = (f"{detail} This command read the operator token from api.operator_token "
                       f"({settings.api.operator_token}); a broker reads its tokens when it starts, so after a change of "
                       "the token restart the broker, or give this command the source the broker was started with.")
-        typer.echo(f"affidavit: {status}: {detail}", err=True)
+        if status == 404 and isinstance(detail, str) and detail.endswith(" is visible to this token."):
+            # The operator sees every invocation: an id it cannot see is not in this journal.
+            detail = detail.replace(" is visible to this token.", f" is in the journal of the broker at {api.base_url} "
+                                    "(is the id right, and is this the broker that recorded it? pass its --config).")
+        typer.echo(f"affidavit: {status} from the broker at {api.base_url}: {detail}", err=True)
         raise typer.Exit(1)
     return answer
 

@@ -157,11 +157,17 @@ def test_the_cli_refuses_a_finding_that_is_none_before_it_asks_the_broker(broker
     # A 422 names the field and the rule, not the whole input back.
     long = broker.command("reconcile", "act_01M8TRTD8RSQZTD7JJN9HZ5237", "--outcome", "rejected", "--note", "n" * 2001)
     said = long.stderr.decode()
-    assert long.returncode == 1 and "422: note: String should have at most 2000 characters" in said and "nnnn" not in said, said
+    assert long.returncode == 1 and f"422 from the broker at {broker.api_url}: note: String should have at most 2000 " \
+        "characters" in said and "nnnn" not in said, said
     # An id is sent as one path segment, whatever it holds: not cut at a '?' into another id.
     for args in (["approvals", "approve", "act_x?y"], ["reconcile", "act_x?y", "--outcome", "rejected"]):
         done = broker.command(*args)
         assert done.returncode == 1 and "act_x?y" in done.stderr.decode(), (args, done.stderr.decode())
+    # The operator sees every invocation: an unknown id is not "invisible to this token", it is not
+    # in the journal of the broker that was asked (named: the wrong --config is a common cause).
+    unknown = broker.command("approvals", "approve", "act_01M8TRTD8RSQZTD7JJN9HZ5237").stderr.decode()
+    assert f"404 from the broker at {broker.api_url}: No invocation 'act_01M8TRTD8RSQZTD7JJN9HZ5237' is in the " \
+        f"journal of the broker at {broker.api_url}" in unknown and "visible to this token" not in unknown, unknown
 
 
 def test_a_finding_against_a_complete_response_is_refused_unless_it_says_override(broker, upstream):
