@@ -423,8 +423,8 @@ class _Exchange:
                 diagnostic=exc.diagnostic,
             )
             # Cut by this broker's own stop: nothing about the upstream's reachability is known.
-            stopping = _STOPPING if self.broker.stopping else None
-            return _Settled(setup=exc, attempt=self.attempt, message=stopping)
+            own = _STOPPING if self.broker.stopping else _OUT_OF_FILES if exc.out_of_files else None
+            return _Settled(setup=exc, attempt=self.attempt, message=own)
         except ExchangeFailed as exc:
             if not exc.request_complete:
                 self.request_written = False  # the transport's word only counts when complete
@@ -1347,8 +1347,8 @@ class Broker:
         code = record.code or Code.REMOTE_OUTCOME_UNKNOWN
         retry = entry.retry_for(record) or Retry.BACKOFF
         message = settled.message or _message(code, record.outcome)
-        if settled.message is _STOPPING:
-            message = _message(code, record.outcome, _STOPPING)
+        if settled.message is _STOPPING or settled.message is _OUT_OF_FILES:
+            message = _message(code, record.outcome, settled.message)
         return self._envelope_reply(entry, code, record.phase, record.outcome, retry, message)
 
     async def _close_when_journal_returns(self, refused: InvocationLog, *, answered: bool = True) -> None:
@@ -1941,6 +1941,9 @@ def _provisional_end(entry: InvocationLog) -> tuple[Outcome, Retry]:
 _RETRY_LATER = " Retrying later is safe; if it persists, an operator should check the route's host, port or connect_to."
 _STOPPING = ("The broker is stopping (a restart or a scale-down), so it did not send this request. Nothing was sent. "
              "Retrying in a moment is safe (another broker, or this one once it is back, takes it).")
+_OUT_OF_FILES = ("The broker has no file descriptor left for a connection to the upstream (too many connections are "
+                 "open to it). Nothing was sent. Retrying later is safe; operators: raise the broker's open-files "
+                 "limit (LimitNOFILE, ulimit -n) or find who holds so many connections open.")
 _CERTIFICATE = " Do not retry until an operator has checked the upstream's certificate or the route's ca_bundle."
 
 _MESSAGES = {

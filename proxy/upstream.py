@@ -20,6 +20,7 @@ connection's close is complete only when the close is clean.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import ipaddress
 import socket
@@ -109,11 +110,14 @@ class DispatchRefused(Exception):
 class SetupFailed(Exception):
     """The connection could not be set up; no request byte was handed to any transport."""
 
-    def __init__(self, stage: str, code: Code, diagnostic: str):
+    def __init__(self, stage: str, code: Code, diagnostic: str, *, out_of_files: bool = False):
         super().__init__(diagnostic)
         self.stage = stage
         self.code = code
         self.diagnostic = diagnostic
+        #: The broker's own process had no file descriptor left (EMFILE/ENFILE): says nothing
+        #: about the upstream.
+        self.out_of_files = out_of_files
 
 
 class ExchangeFailed(Exception):
@@ -684,7 +688,8 @@ class Upstream:
                 raise
             except Exception as exc:  # every failure is classified by where it happened
                 stage, code = classify_setup_failure(exc, progress.stage)
-                raise SetupFailed(stage, code, diagnostic(exc)) from None
+                raise SetupFailed(stage, code, diagnostic(exc),
+                                  out_of_files=isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE)) from None
         if self.closed:  # it stopped while this connection was being set up
             conn.close()
             raise _stopping()

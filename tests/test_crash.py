@@ -250,6 +250,36 @@ def test_a_request_not_yet_dispatched_at_a_clean_stop_is_never_sent(make_broker,
     assert rows == [("not_attempted", "CONNECT_FAILED")], rows
 
 
+def test_a_broker_out_of_file_descriptors_says_so_and_blames_no_upstream(make_broker, upstream):
+    """With every descriptor of the broker's process in use (idle connections piled up, say), the
+    connection to the upstream cannot be opened: nothing is sent, and the agent is told why,
+    rather than to have an operator check the route's host and port."""
+    import resource
+
+    broker = make_broker(routes=crash_routes(upstream))
+    pid = broker.proc.pid
+    tunnel = broker.tunnel("crash.example.test")  # the agent's connection, opened while descriptors remain
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (len(os.listdir(f"/proc/{pid}/fd")), hard))
+    try:
+        tunnel.sendall(b"POST /h/ok HTTP/1.1\r\nHost: crash.example.test\r\nContent-Length: 2\r\n\r\n{}")
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < 100:
+            chunk = tunnel.recv(65536)
+            assert chunk, answer
+            answer += chunk
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+        tunnel.close()
+    body = check_envelope(answer.split(b"\r\n\r\n", 1)[1])
+    assert (body["error"]["code"], body["error"]["outcome"]) == ("CONNECT_FAILED", "not_attempted"), body
+    message = body["error"]["message"]
+    assert "no file descriptor left" in message and "connect_to" not in message, message
+    assert upstream.received == []
+    with broker.client() as client:  # descriptors back: served as usual
+        assert client.post(CRASH + "/h/ok", content=b"{}").status_code == 200
+
+
 def _quietly(call: Any) -> None:
     try:
         call()
