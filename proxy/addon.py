@@ -333,6 +333,10 @@ def install_core_refusals(body_limit: int, clocks: "RequestClocks | None" = None
                 raise Unreadable(refused)
             if isinstance(event, EndOfMessage) and event.headers:
                 raise Unreadable(trailers_refused())
+            if self.chunked and isinstance(left := getattr(self.reader, "_bytes_in_chunk", 0), int) and left > body_limit:
+                # A chunk no route could take (its size line says so): refused now, as a declared
+                # Content-Length over the limit is, not after its bytes or the body deadline.
+                raise Unreadable(refusal(413))
             return event
 
         def misframed(self, buf: Any) -> http.Response | None:

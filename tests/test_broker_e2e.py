@@ -1343,6 +1343,9 @@ def _h2_request(
         # Past the largest max_body (10 MiB by default) plus 1 MiB: refused on its Content-Length,
         # before a byte of the body is read.
         ("tunnel", b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nContent-Length: 12582912\r\n\r\n", 413, "PAYLOAD_LIMIT"),
+        # The same for a chunk whose size line says it (no body deadline to wait out first).
+        ("tunnel", b"POST /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nTransfer-Encoding: chunked\r\n\r\nc00000\r\n", 413, "PAYLOAD_LIMIT"),
+        ("plain", b"POST http://plain.example.test/h/ok HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffffffff\r\nab", 413, "PAYLOAD_LIMIT"),
         # A head past 64 KiB that has not ended (mitmproxy would hold it whole, however long).
         ("plain", b"GET http://plain.example.test/h/ok HTTP/1.1\r\nX-Big: " + b"a" * (66 * 1024), 431, "MALFORMED_REQUEST"),
         ("tunnel", b"GET /h/ok HTTP/1.1\r\nHost: api.payments.test\r\nX-Big: " + b"a" * (66 * 1024), 431, "MALFORMED_REQUEST"),
