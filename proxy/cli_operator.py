@@ -181,6 +181,7 @@ def invocations_list(
     outcome, phase = _one_of(outcome, Outcome, "--outcome"), _one_of(phase, Phase, "--phase")
     code = _one_of(code, Code, "--code")
     settings = settings_or_exit(config)
+    _unknown_route_notice(settings, route)
     since_at = queries.window_start(_window(since))
     rows = with_engine(
         settings,
@@ -202,6 +203,15 @@ def invocations_list(
         console.print(f"{invocation_id}  {at}  {agent}  {method}", highlight=False)
         facts = [f"route {route_ or '-'}", outcome_, phase_, code_ or "-", f"retry {retry or '-'}", f"status {status or '-'}"]
         console.print("    " + "  ".join(facts), highlight=False)
+
+
+def _unknown_route_notice(settings: Settings, route: str | None) -> None:
+    """A --route the configuration does not name is still looked up (a route since removed keeps
+    its records), but said on stderr: a typo would otherwise read as "nothing happened"."""
+    names = [r.name for r in settings.routes]
+    if route is not None and route not in names:
+        typer.echo(f"affidavit: note: the configuration has no route {route!r} (it has: {', '.join(names) or 'none'}); "
+                   "listing what the journal holds under that name anyway", err=True)
 
 
 @invocations_app.command("show")
@@ -274,6 +284,7 @@ def metrics(
     invocation_outcomes view counts them, from whole hours)."""
     settings = settings_or_exit(config)
     since_at = queries.window_start(_window(since)).replace(minute=0, second=0, microsecond=0)
+    _unknown_route_notice(settings, route)
     rows = with_engine(settings, lambda engine: queries.outcome_counts(engine, since_at, route))
     counts = {(phase, outcome): int(n) for phase, outcome, n in rows}
     table = Table(title=f"invocations by phase x outcome, last {since}" + (f", route {route}" if route else ""))

@@ -412,6 +412,14 @@ def test_invocations_list_reads_at_any_width_and_refuses_a_filter_typo(broker: B
     assert counted.returncode == 0 and b"Traceback" not in counted.stderr, counted
     typo = broker.command("invocations", "list", "--outcome", "unknwon")
     assert typo.returncode == 2 and b"'unknwon' is not one of" in typo.stderr, typo
+    # A route is free text (a removed route keeps its records): looked up, but a name the
+    # configuration lacks is said, so a typo does not read as "nothing happened".
+    for command in (("invocations", "list"), ("metrics",)):
+        routed = broker.command(*command, "--route", "payments.craete")
+        assert routed.returncode == 0 and b"the configuration has no route 'payments.craete'" in routed.stderr, routed
+        assert b"payments.create" in routed.stderr, routed
+        known = broker.command(*command, "--route", "payments.create")
+        assert known.returncode == 0 and b"no route" not in known.stderr, known
 
 
 def test_side_api_isolates_agents_and_hides_unknown_ids(broker: BrokerProcess, upstream: HostileUpstream):
