@@ -118,6 +118,20 @@ def env(
         raise typer.Exit(2)
     for line in env_lines(settings, agent, token):
         typer.echo(line)
+    # The exports are printed either way (a script may run this before the broker's first start);
+    # what they name that is not there is said, not left to fail later as a CA error or a 407.
+    from .app import ca_path
+
+    if not ca_path(settings).is_file():
+        typer.echo(f"affidavit: warning: no CA at {ca_path(settings)} yet: the first `affidavit run` with this configuration "
+                   "creates it; if the broker already runs, this is not its directory or configuration (relative paths "
+                   "are read from the working directory)", err=True)
+    configured = next((a for a in settings.agents if a.name == agent), None)
+    if token is None and configured is not None and configured.token.startswith("file:"):
+        path = Path(configured.token.partition(":")[2]).absolute()
+        if not path.is_file():
+            typer.echo(f"affidavit: warning: agent {agent!r}'s token file {path} does not exist: the exported proxy URL "
+                       "reads it; run this where the broker runs, or pass its --config", err=True)
 
 
 @app.command()

@@ -321,6 +321,21 @@ def test_affidavit_env_for_an_unknown_agent_is_a_usage_error_naming_the_agents(t
     assert "no agent 'buidler'" in done.stderr and "builder" in done.stderr
     done = subprocess.run([AFFIDAVIT, "env", "--config", str(path), "--agent", "builder"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 0 and 'export NO_PROXY="127.0.0.1"' in done.stdout
+    # No broker has run here: the CA the exports name is not there, which is said (exit 0 still:
+    # a script may print the exports before the broker's first start).
+    ca = tmp_path / ".affidavit" / "mitmproxy-ca-cert.pem"
+    assert f"warning: no CA at {ca} yet" in done.stderr, done.stderr
+    ca.parent.mkdir()
+    ca.write_text("a certificate")
+    with_token_file = path.read_text().replace('token = "env:BUILDER_TOKEN"', 'token = "file:.affidavit/builder.token"')
+    assert with_token_file != path.read_text()
+    path.write_text(with_token_file)
+    done = subprocess.run([AFFIDAVIT, "env", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0 and "no CA" not in done.stderr, done.stderr
+    assert f"agent 'builder''s token file {tmp_path / '.affidavit' / 'builder.token'} does not exist" in done.stderr
+    (tmp_path / ".affidavit" / "builder.token").write_text("t0ken")
+    done = subprocess.run([AFFIDAVIT, "env", "--config", str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
 
 
 def test_a_read_command_in_the_wrong_directory_says_so_and_creates_nothing(tmp_path):
