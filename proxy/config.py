@@ -23,6 +23,7 @@ from pydantic import (
     ByteSize,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -49,7 +50,9 @@ def parse_duration(value: Any) -> float:
     else:
         match = _DURATION.match(str(value))
         if not match:
-            raise ValueError(f"{value!r} is not a duration such as '10s', '5m' or '24h'")
+            if str(value).strip().startswith("-"):
+                raise ValueError(f"{value!r}: a duration must be positive")
+            raise ValueError(f"{value!r} is not a duration such as '10s', '5m' or '24h' (or a number of seconds)")
         seconds = float(match.group(1)) * _UNITS[match.group(2)]
     if seconds <= 0:
         raise ValueError("a duration must be positive")
@@ -57,6 +60,23 @@ def parse_duration(value: Any) -> float:
 
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
+
+
+def check_size(value: Any) -> Any:
+    """A size as pydantic's ``ByteSize`` reads it, with a message that echoes the value and shows
+    the form (pydantic's own says only "could not parse value and unit from byte string")."""
+    if isinstance(value, str):
+        try:
+            TypeAdapter(ByteSize).validate_python(value)
+        except ValidationError:
+            rule = "a size cannot be negative" if value.strip().startswith("-") else (
+                "not a size such as '64KiB', '10MiB' or '1GB' (or a number of bytes; units are case-insensitive: "
+                "KiB/MiB/GiB are powers of 1024, KB/MB/GB of 1000)")
+            raise ValueError(f"{value!r}: {rule}") from None
+    return value
+
+
+Size = Annotated[ByteSize, BeforeValidator(check_size)]
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -108,7 +128,7 @@ class ProxySection(_Section):
     #: mitmproxy's configuration directory: the broker's CA certificate and key live here.
     confdir: Path = Path(".affidavit")
     #: Default request-body limit for routes that set none.
-    max_body: ByteSize = ByteSize(10 * 1024 * 1024)
+    max_body: Size = ByteSize(10 * 1024 * 1024)
     #: Request header agents may use to mark one logical operation (see docs/retries.md).
     idempotency_header: Token = "Idempotency-Key"
     #: How long a re-send may hold an invocation before it must have dispatched.
@@ -165,7 +185,7 @@ class UpstreamSection(_Section):
     #: How long the broker keeps reading a late response after the caller stopped waiting,
     #: so a result that arrives late is still recorded and fetchable.
     result_horizon: Duration = 300.0
-    max_response_body: ByteSize = ByteSize(32 * 1024 * 1024)
+    max_response_body: Size = ByteSize(32 * 1024 * 1024)
 
 
 _KEY_ENTRY = re.compile(r"^([A-Za-z0-9_.-]{1,64})=((?:env|file):.+)$")
@@ -295,7 +315,7 @@ class Route(_Section):
     #: A read-only request that asks the remote what became of an operation, for
     #: `affidavit reconcile ID --lookup`. Placeholders: {key}, {invocation_id}, {job_ref}.
     lookup: Lookup | None = None
-    max_body: ByteSize | None = None
+    max_body: Size | None = None
     retry_budget: int = Field(default=3, ge=0)
     #: Connect here instead of resolving `host` (TLS is still verified against `host`).
     connect_to: Listen | None = None
