@@ -407,10 +407,11 @@ def _check_url(url: str) -> str:
         raise AuditInputError("--database could not be read as a database URL") from None
     database = make_url(url).database
     if url.startswith("sqlite") and database not in (None, "", ":memory:") and not Path(database).is_file():
-        from .store.migrate import sqlite_file_problem
+        from .store.migrate import sqlite_file_problem, sqlite_where
 
         # Connecting would create an empty one. A directory, or a missing one, is said as such.
-        raise AuditInputError(f"{where}: {sqlite_file_problem(url) or 'no such database file'}")
+        problem = sqlite_file_problem(url, setting="the URL (--database, or database.url)")
+        raise AuditInputError(f"{where}: {problem or f'no such database file: {sqlite_where(database)}'}")
     return where
 
 

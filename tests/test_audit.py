@@ -635,6 +635,8 @@ def test_a_file_that_is_not_an_export_is_an_input_error_not_a_verdict(tmp_path):
     for path, said in ((tmp_path, "is a directory"), (tmp_path / "no-such-dir" / "j.db", "does not exist")):
         wrong = CliRunner().invoke(audit_app, ["verify", "--database", f"sqlite+aiosqlite:///{path}"])
         assert wrong.exit_code == 2 and said in wrong.output, wrong.output
+    # The setting to fix is the URL given, which may be --database rather than database.url.
+    assert "point the URL (--database, or database.url) at a file" in wrong.output, wrong.output
 
 
 def test_a_journal_with_no_events_verifies_but_is_said_to_hold_nothing(request, tmp_path):

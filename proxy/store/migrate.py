@@ -62,7 +62,7 @@ def sqlite_where(database: str) -> str:
     return f"{path.absolute()} (database.url's path {database} is relative: it is read from the working directory {Path.cwd()})"
 
 
-def sqlite_file_problem(url: str) -> str | None:
+def sqlite_file_problem(url: str, setting: str = "database.url") -> str | None:
     """Why the SQLite journal file at ``url`` cannot be opened (a directory, or a directory that
     does not exist), said before SQLite says only "unable to open database file"; None for
     PostgreSQL, a ``file:`` URI, or a path that can hold the journal."""
@@ -74,7 +74,7 @@ def sqlite_file_problem(url: str) -> str | None:
     if path.is_dir():
         return f"{path} is a directory; the journal is a file, such as {path / 'affidavit.db'}"
     if not path.parent.is_dir():
-        return f"the directory of {path} does not exist; create it, or point database.url at a file in one that does"
+        return f"the directory of {path} does not exist; create it, or point {setting} at a file in one that does"
     return None
 
 
