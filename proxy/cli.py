@@ -178,9 +178,12 @@ def db_upgrade(config: ConfigOption = None) -> None:
         typer.echo(f"affidavit: {exc}", err=True)
         raise typer.Exit(2) from None
     except Exception as exc:
+        from .store import queries
         from .store.journal import brief
 
-        typer.echo(f"affidavit: could not upgrade {redact_url(settings.database.url)}: {brief(exc)}", err=True)
+        # What to check, as the read commands say it (the database name, the server, the role).
+        advice = f"; {queries.what_to_check(exc)}, then run it again" if queries.unreachable(exc) else ""
+        typer.echo(f"affidavit: could not upgrade {redact_url(settings.database.url)}: {brief(exc)}{advice}", err=True)
         raise typer.Exit(1) from None
     head, url = migrate.head(), redact_url(settings.database.url)
     if new_file:

@@ -513,6 +513,10 @@ def test_a_read_command_that_cannot_reach_the_journal_names_the_url_and_what_to_
     assert done.returncode == 1, done.stderr
     assert f"database.url is {url.render_as_string(hide_password=True)}: {check}" in done.stderr, done.stderr
     assert "then run the command again" in done.stderr and "s3cret-pw" not in done.stderr, done.stderr
+    # `db upgrade` says what to check too, not only the driver's words.
+    done = subprocess.run([AFFIDAVIT, "db", "upgrade"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 1 and f"could not upgrade {url.render_as_string(hide_password=True)}: " in done.stderr
+    assert f"; {check}" in done.stderr and "then run it again" in done.stderr and "s3cret-pw" not in done.stderr, done.stderr
 
 
 def test_a_read_command_on_a_file_that_is_no_journal_names_it(tmp_path):
