@@ -67,7 +67,17 @@ def resolve_tokens(settings: Settings) -> tuple[dict[str, str], str | None]:
             problems.append(exc.message)
     if problems:
         raise ConfigError("cannot start; tokens unavailable:\n  " + "\n  ".join(problems))
+    for i, agent in enumerate(settings.agents):
+        if (odd := sorted(set(tokens[agent.name]) - _URL_SAFE)):
+            # Taken as it is, but a proxy URL holding it raw breaks ('@', ':', '/', a space...).
+            shown = "".join(odd).encode("unicode_escape").decode("ascii")
+            log.warning("agents[%d].token (agent %r) holds characters a proxy URL must percent-encode (%s): its agent "
+                        "must send it encoded in HTTPS_PROXY (`affidavit env --agent %s --token ...` prints it so), or "
+                        "use a token of letters, digits, '-', '_', '.' and '~' only", i, agent.name, shown, agent.name)
     return tokens, operator
+
+
+_URL_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 
 
 def prepare_database(settings: Settings, *, nothing: str = "Nothing was started", then: str = "start again") -> None:

@@ -752,3 +752,22 @@ def test_reading_a_journal_that_was_never_upgraded_says_to_upgrade_it(make_broke
         done = broker.command(*args)
         err = done.stderr.decode()
         assert done.returncode == 1 and "does not exist" in err and "run `affidavit db upgrade`" in err, (args, err)
+
+
+def test_a_token_a_proxy_url_cannot_hold_raw_is_taken_but_warned_about(tmp_path, monkeypatch, caplog):
+    """`x y@z` works once percent-encoded, and breaks a proxy URL written raw (`affidavit env`
+    prints `$(cat FILE)` for a file token): the start says so, without the token itself."""
+    import logging
+
+    from proxy.app import resolve_tokens
+
+    settings = load_settings(write(tmp_path, good(tmp_path)))
+    for token, warned in (("x y@z", True), ("Ab9-._~", False)):
+        monkeypatch.setenv("BUILDER_TOKEN", token)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="affidavit"):
+            tokens, _ = resolve_tokens(settings)
+        assert tokens["builder"] == token
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert ("must percent-encode ( @)" in said) is warned, said
+        assert token not in said or not warned
