@@ -652,25 +652,8 @@ class Broker:
                 "relays HTTP requests and their responses, one recorded exchange each, and does not relay WebSocket "
                 "connections. Nothing was sent. Use the service's HTTP API instead.",
             )
-        if (override := _method_override(req)) is not None:
-            name, asked = override
-            return (
-                Code.UNSUPPORTED_ACTION,
-                f"The request is a {req.method.upper()}, but its {name} header asks the service for {asked!r}. Many "
-                "services honour that header and perform the other method, which route "
-                f"'{route.name}' was not checked against and which the record would misstate (its method, and "
-                "whether a repeat is safe). Nothing was sent. Send the request with the method it means, and "
-                "without the header.",
-            )
-        if (override := _path_override(req)) is not None:
-            name, asked = override
-            return (
-                Code.UNSUPPORTED_ACTION,
-                f"The request is for {shown(req.path)!r}, but its {name} header asks the service for {shown(asked)!r}. "
-                "Some servers (IIS URL Rewrite, frameworks behind it) serve that path instead, which route "
-                f"'{route.name}' was not checked against and which the record would misstate. Nothing was sent. "
-                "Request the path you mean, without the header.",
-            )
+        if (override := _override(req, route.name)) is not None:
+            return Code.UNSUPPORTED_ACTION, override
         limit = int(route.max_body if route.max_body is not None else self.settings.proxy.max_body)
         if len(req.body) > limit:
             return (
@@ -1850,30 +1833,30 @@ def _asks_for_websocket(req: AgentRequest) -> bool:
 #: Headers with which a client asks a server to perform another method than the request's own
 #: (Google's APIs, Express's and Rails' method-override middleware, and others honour them).
 METHOD_OVERRIDE_HEADERS = ("x-http-method-override", "x-http-method", "x-method-override")
-
-
-def _method_override(req: AgentRequest) -> tuple[str, str] | None:
-    """(header, value) of the first method-override header that names another method than the
-    request's own: the broker routes, records and judges retries by the request's method, and
-    cannot know whether the service performs the one the header asks for. Naming the same
-    method is harmless; an empty value asks for nothing."""
-    method = req.method.upper()
-    for name, value in req.headers:
-        if name.lower() in METHOD_OVERRIDE_HEADERS and value.strip() and value.strip().upper() != method:
-            return name, value.strip()
-    return None
-
-
 PATH_OVERRIDE_HEADERS = ("x-original-url", "x-rewrite-url", "x-override-url")
 
 
-def _path_override(req: AgentRequest) -> tuple[str, str] | None:
-    """(header, value) of the first path-override header that names another target than the
-    request's own (as :func:`_method_override`, for the path: routes are checked on the
-    request's). Naming the request's own path (and query) asks for nothing new."""
+def _override(req: AgentRequest, route: str) -> str | None:
+    """The refusal (its message) of the first header that asks the service
+    for another method or another path than the request's own: the broker routes, records and
+    judges retries by the request's, and cannot know whether the service acts on the header.
+    Naming the request's own (a method in any case; the path and query as sent) is harmless; an
+    empty value asks for nothing."""
+    method = req.method.upper()
     for name, value in req.headers:
-        if name.lower() in PATH_OVERRIDE_HEADERS and value.strip() and value.strip() != req.path:
-            return name, value.strip()
+        lower, asked = name.lower(), value.strip()
+        if not asked:
+            continue
+        if lower in METHOD_OVERRIDE_HEADERS and asked.upper() != method:
+            return (f"The request is a {method}, but its {name} header asks the service for {asked!r}. Many services "
+                    f"honour that header and perform the other method, which route '{route}' was not checked against "
+                    "and which the record would misstate (its method, and whether a repeat is safe). Nothing was "
+                    "sent. Send the request with the method it means, and without the header.")
+        if lower in PATH_OVERRIDE_HEADERS and asked != req.path:
+            return (f"The request is for {shown(req.path)!r}, but its {name} header asks the service for "
+                    f"{shown(asked)!r}. Some servers (IIS URL Rewrite, frameworks behind it) serve that path instead, "
+                    f"which route '{route}' was not checked against and which the record would misstate. Nothing was "
+                    "sent. Request the path you mean, without the header.")
     return None
 
 

@@ -967,6 +967,20 @@ def test_a_websocket_handshake_is_refused_before_anything_is_sent(broker: Broker
     assert forwarded.header("Upgrade") is None and forwarded.header("HTTP2-Settings") is None
 
 
+def _override_refused(broker: BrokerProcess, refused: httpx.Response, *said: str) -> dict[str, Any]:
+    """The record of a request refused for an override header, after checking the answer."""
+    SEEN.append(refused.text)
+    assert refused.status_code == 405, refused.text
+    body = check_envelope(refused.content)
+    assert (body["error"]["code"], body["error"]["phase"], body["error"]["outcome"]) == \
+        ("UNSUPPORTED_ACTION", "validation", "not_attempted")
+    message = body["error"]["message"]
+    assert all(s in message for s in (*said, "Nothing was sent")), message
+    record = broker.invocation(body["invocation_id"])
+    assert "DISPATCH_STARTED" not in [e["kind"] for e in record["events"]]
+    return record
+
+
 @pytest.mark.parametrize("header", ["X-HTTP-Method-Override", "X-HTTP-Method", "x-method-override"])
 def test_a_method_override_header_naming_another_method_is_refused_before_anything_is_sent(
     broker: BrokerProcess, upstream: HostileUpstream, header: str
@@ -978,16 +992,8 @@ def test_a_method_override_header_naming_another_method_is_refused_before_anythi
     with broker.client() as client:
         refused = client.get(f"{PAYMENTS}/h/ok", headers={header: "DELETE"})
         same = client.post(f"{PAYMENTS}/h/ok", headers={header: "post"}, content=b"{}")
-    SEEN.append(refused.text)
-    assert refused.status_code == 405, refused.text
-    body = check_envelope(refused.content)
-    assert (body["error"]["code"], body["error"]["phase"], body["error"]["outcome"]) == \
-        ("UNSUPPORTED_ACTION", "validation", "not_attempted")
-    message = body["error"]["message"]
-    assert header in message and "'DELETE'" in message and "Nothing was sent" in message, message
-    record = broker.invocation(body["invocation_id"])
+    record = _override_refused(broker, refused, header, "'DELETE'")
     assert (record["method"], record["code"]) == ("GET", "UNSUPPORTED_ACTION")
-    assert "DISPATCH_STARTED" not in [e["kind"] for e in record["events"]]
 
     assert same.status_code == 200 and same.headers["affidavit-outcome"] == "committed", same.text
     [forwarded] = upstream.received
@@ -1005,14 +1011,7 @@ def test_a_path_override_header_naming_another_path_is_refused_before_anything_i
     with broker.client() as client:
         refused = client.get(f"{PAYMENTS}/h/ok", headers={header: "/admin/delete-all"})
         same = client.get(f"{PAYMENTS}/h/ok?x=1", headers={header: "/h/ok?x=1"})
-    SEEN.append(refused.text)
-    assert refused.status_code == 405, refused.text
-    body = check_envelope(refused.content)
-    assert (body["error"]["code"], body["error"]["phase"], body["error"]["outcome"]) == \
-        ("UNSUPPORTED_ACTION", "validation", "not_attempted")
-    message = body["error"]["message"]
-    assert header in message and "'/admin/delete-all'" in message and "Nothing was sent" in message, message
-    assert "DISPATCH_STARTED" not in [e["kind"] for e in broker.invocation(body["invocation_id"])["events"]]
+    _override_refused(broker, refused, header, "'/admin/delete-all'")
     assert same.status_code == 200, same.text
     [forwarded] = upstream.received
     assert forwarded.header(header) == "/h/ok?x=1"
