@@ -796,7 +796,9 @@ class BrokerAddon:
                 scheme=r.scheme,
                 host=r.host,
                 port=r.port,
-                method=r.method,
+                # mitmproxy upper-cases the method, in Unicode: 'PO\u017fT' would become 'POST'.
+                # Only an ASCII one is taken so; any other is passed as sent, to be refused.
+                method=r.method if r.data.method.isascii() else r.data.method.decode("utf-8", "surrogateescape"),
                 path=r.path,
                 headers=agent_fields(r),
                 body=r.raw_content or b"",

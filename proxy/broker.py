@@ -1745,6 +1745,11 @@ _NOT_IN_A_TARGET = re.compile("[^!-~]|#")
 MAX_KEY_LENGTH = 255
 
 
+#: A method is a token (RFC 9110 9.1, 5.6.2): ASCII only, so no Unicode case mapping ('PO\u017fT'
+#: upper-cases to 'POST') can make another method of it.
+_METHOD = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
 def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
     """Why the request cannot be checked against the routes or sent as it is, or None.
 
@@ -1759,6 +1764,11 @@ def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
       different key, or bytes that are not text, would bind the operation to something the agent
       did not mean.
     """
+    if not _METHOD.fullmatch(req.method):
+        return (f"The request method {shown(req.method)!r} is not an HTTP token (letters, digits and "
+                "!#$%&'*+-.^_`|~ only; RFC 9110 9.1), so it names no method a route could allow: read as the method "
+                "it resembles, it would be sent as one the agent did not write. Nothing was sent and no secret was "
+                "touched. Send the method's own name.")
     if _SPLITTER.search("".join([name + value for name, value in req.headers])):
         for name, value in req.headers:
             if _SPLITTER.search(name + value):

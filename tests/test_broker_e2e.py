@@ -1422,6 +1422,8 @@ def test_a_well_framed_chunked_body_is_read_however_it_arrives(broker: BrokerPro
         b"POST /h/ok HTTP/1.1\r\nIdempotency-Key: z\xff\xfe",
         b"POST /h/ok HTTP/1.1\r\nIdempotency-Key: \xd0\xba\xd0\xbb\xd1\x8e\xd1\x87-1",
         b"POST /h/ok HTTP/1.1\r\nIdempotency-Key: one\r\nIdempotency-Key: two",
+        b"PO\xc5\xbfT /h/ok HTTP/1.1",  # 'PO\u017fT' upper-cases to 'POST'; no token, no method
+        b"GE\xc3\x9f /h/ok HTTP/1.1",
     ],
 )
 def test_requests_that_would_reach_another_path_or_split_are_malformed_before_any_secret(

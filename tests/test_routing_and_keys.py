@@ -601,3 +601,17 @@ def test_a_path_whose_decodings_settle_is_not_refused_for_its_depth(path):
 
     req = AgentRequest(agent="a", scheme="https", host="api.test", port=443, method="GET", path=path, headers=[], body=b"")
     assert malformed_request(req, "Idempotency-Key") is None
+
+
+@pytest.mark.parametrize("method,refused", [
+    ("GET", False), ("PATCH", False), ("M-SEARCH", False), ("X_CUSTOM.v1", False),
+    ("PO\u017fT", True), ("GE\u00df", True), ("GE T", True), ("", True), ("GET\x00", True), ("PO(ST)", True),
+])
+def test_a_method_that_is_not_an_http_token_is_malformed(method, refused):
+    """mitmproxy upper-cases a method in Unicode ('PO\u017fT' becomes 'POST'): only a token is a
+    method a route can be checked against."""
+    from proxy.broker import AgentRequest, malformed_request
+
+    req = AgentRequest(agent="a", scheme="https", host="api.test", port=443, method=method, path="/x", headers=[], body=b"")
+    why = malformed_request(req, "Idempotency-Key")
+    assert (why is not None and "not an HTTP token" in why) if refused else why is None
