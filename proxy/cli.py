@@ -44,8 +44,17 @@ def _main(
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
+    config: Annotated[
+        Optional[Path],
+        typer.Option("--config", "-c", help="TOML configuration file for the command that follows (as AFFIDAVIT_CONFIG; "
+                     "the command's own --config wins)."),
+    ] = None,
 ) -> None:
     """Affidavit: an HTTP(S) forward proxy for AI agents that tells the truth about remote effects."""
+    # Before the command: click parses the command's own options after this callback, so the
+    # command reads it through its --config's environment variable (and workers inherit it).
+    if config is not None:
+        os.environ["AFFIDAVIT_CONFIG"] = str(config)
 
 
 @app.command()

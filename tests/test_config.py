@@ -771,3 +771,21 @@ def test_a_token_a_proxy_url_cannot_hold_raw_is_taken_but_warned_about(tmp_path,
         said = " ".join(r.getMessage() for r in caplog.records)
         assert ("must percent-encode ( @)" in said) is warned, said
         assert token not in said or not warned
+
+
+def test_config_given_before_the_command_is_the_commands_and_the_commands_own_wins(tmp_path):
+    """`affidavit -c PATH cmd` reads PATH, as `affidavit cmd -c PATH` does (it once answered
+    "No such option: -c"); given in both places, the one after the command's name wins."""
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")}
+    there = tmp_path / "there.toml"
+    there.write_text(f'[database]\nurl = "sqlite+aiosqlite:///{tmp_path / "nowhere" / "j.db"}"\n')
+    missing = tmp_path / "missing.toml"
+    for args, said in [
+        (["-c", str(there), "invocations", "list"], f"the directory of {tmp_path / 'nowhere' / 'j.db'} does not exist"),
+        (["--config", str(missing), "db", "upgrade"], f"{missing}: no such configuration file"),
+        (["-c", str(missing), "invocations", "list", "-c", str(there)], "the directory of"),
+    ]:
+        done = subprocess.run([AFFIDAVIT, *args], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+        assert done.returncode in (1, 2) and said in done.stderr, (args, done.stderr)
+        assert "No such option" not in done.stderr and "no --config and no affidavit.toml" not in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["there.toml"], "nothing was created"
