@@ -77,6 +77,8 @@ def _no_endpoint(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         allowed = ", ".join(sorted(methods)) or (exc.headers or {}).get("Allow", "")
         return _problem(405, "Method Not Allowed", f"{asked}: this endpoint takes only {allowed}. See docs/api.md.",
                         {"Allow": allowed})
+    if request.scope.get(ABSOLUTE_FORM):  # GET http://upstream/...: sent here as to a proxy
+        return _problem(404, "Not Found", f"{request.method} {shown(str(request.url))}: {NOT_THE_PROXY}")
     return _problem(404, "Not Found", f"{asked}: the side API has no such endpoint (the paths are listed at "
                     "/openapi.json and in docs/api.md; none ends with a slash).")
 
@@ -171,6 +173,15 @@ class BodyLimit:
 MAX_HEAD = 64 * 1024
 
 
+#: What a client that speaks to the side API as to a proxy is told.
+NOT_THE_PROXY = ("this is Affidavit's side API (api.listen), not its proxy: nothing was sent anywhere. Point "
+                 "HTTPS_PROXY and HTTP_PROXY at the proxy's address (proxy.listen; `affidavit env` prints the lines to "
+                 "export), and call this API directly (list its host in NO_PROXY).")
+
+#: The scope key BoundedHead sets on a request in absolute-form (``GET http://host/path``).
+ABSOLUTE_FORM = "affidavit.absolute_form"
+
+
 #: After a refusal, how long what the client still sends is read and dropped before the close: a
 #: close with unread data would reset the connection, and the client could lose the answer.
 LINGER = 2.0
@@ -220,6 +231,11 @@ class BoundedHead(HttpToolsProtocol):
         if len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > MAX_HEAD:
             self._refuse_head()
             return
+        if self.parser.get_method() == b"CONNECT":  # a client that took this port for the proxy's
+            self._refuse(400, "Bad Request", "CONNECT: " + NOT_THE_PROXY)
+            return
+        if self.url[:8].lower().startswith((b"http://", b"https://")):  # absolute-form: read, and said if it finds nothing
+            self.scope[ABSOLUTE_FORM] = True
         self._in_head, self._head_bytes, self._body_bytes = False, 0, 0
         declared = next((value for name, value in self.headers if name == b"content-length"), b"")
         idle = self.cycle is None or self.cycle.response_complete  # no answer of an earlier request on its way
@@ -248,6 +264,10 @@ class BoundedHead(HttpToolsProtocol):
             return
         self._in_head, self._head_bytes = True, 0  # the next request's head, if any
         super().on_message_complete()
+
+    def _unsupported_upgrade_warning(self) -> None:
+        if not self._refused:  # a refused CONNECT (an upgrade to llhttp) was answered, not unsupported
+            super()._unsupported_upgrade_warning()
 
 
 class ReconcileBody(BaseModel):

@@ -1667,3 +1667,23 @@ def test_an_oversized_body_gets_the_payload_limit_envelope_over_either_http_vers
     SEEN.append(json.dumps(envelope))
     assert envelope["error"]["code"] == "PAYLOAD_LIMIT" and envelope["invocation_id"] is None
     assert upstream.received == []
+
+
+def test_a_client_that_takes_the_side_api_for_the_proxy_is_told_so(broker: BrokerProcess, upstream: HostileUpstream):
+    """HTTPS_PROXY pointed at api.listen by mistake: uvicorn answered a CONNECT with a bare
+    "Invalid HTTP request received" and an absolute-form request with "no such endpoint"."""
+    offset = len(broker.logs())
+    answer = _api_raw(broker, [b"CONNECT api.payments.test:443 HTTP/1.1\r\nHost: api.payments.test:443\r\n\r\n"])
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/problem+json" in head, answer[:300]
+    assert "not its proxy" in json.loads(body)["detail"] and "proxy.listen" in json.loads(body)["detail"], body
+    with httpx.Client(proxy=broker.api_url, timeout=10) as mistaken:
+        answer = _seen(mistaken.get("http://api.payments.test/v1/charges"))
+        assert answer.status_code == 404 and "not its proxy" in answer.json()["detail"], answer.text
+        assert "http://api.payments.test/v1/charges" in answer.json()["detail"]
+        with pytest.raises(httpx.ProxyError, match="400"):
+            mistaken.get("https://api.payments.test/v1/charges")
+    with httpx.Client(base_url=broker.api_url, timeout=10) as anyone:  # a path that is none, asked directly
+        assert "not its proxy" not in _seen(anyone.get("/v1/charges")).json()["detail"]
+    logged = broker.logs()[offset:]
+    assert "Unsupported upgrade" not in logged and "Invalid HTTP request" not in logged, logged[-2000:]
