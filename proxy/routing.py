@@ -49,9 +49,12 @@ def match_route(
             )
         mine = leniently
     if not mine:
+        # The target shown is normalized, without the host's trailing dot: say it was there.
+        odd = (f" The host was written {host!r}, with a trailing dot, which no route names: send it without the dot."
+               if host.endswith(".") else "")
         return Refusal(
             Code.INVALID_TARGET,
-            f"No route lets agent '{agent}' call {target}. Nothing was sent. "
+            f"No route lets agent '{agent}' call {target}.{odd} Nothing was sent. "
             "Use a target your routes allow, or ask an operator to add a route.",
         )
     for route in mine:

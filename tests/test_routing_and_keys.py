@@ -154,6 +154,16 @@ def test_a_wildcard_route_does_not_match_the_bare_suffix_or_a_lookalike(broker, 
     assert sent(upstream) == []
 
 
+def test_a_host_with_a_trailing_dot_is_refused_saying_so(broker, upstream):
+    """The refusal shows the normalized target, without the dot, which a route does name: the
+    message says what was written."""
+    with broker.client() as client:
+        r = client.get("http://a.wild.test./h/ok")
+    body = refused(broker, r, 403, "INVALID_TARGET")
+    assert "The host was written 'a.wild.test.', with a trailing dot" in body["error"]["message"], body
+    assert sent(upstream) == []
+
+
 def test_a_path_glob_matches_across_slashes_and_ignores_the_query(broker, upstream):
     with broker.client() as client:
         deep = client.get("https://glob.example.test/v1/charges/ch_1/refunds")
