@@ -132,8 +132,8 @@ def hides_a_dot_segment(segment: str) -> bool:
     ``..``, which it would resolve (RFC 3986 section 5.2.4) to a path the route's glob never saw.
     The readings: percent-decoded once or again (:func:`fully_decoded`), IIS's ``%uXXXX``,
     overlong UTF-8, Unicode compatibility forms (a fullwidth ``．``, ``․`` one dot leader), a
-    backslash or a decoded slash as a separator, a name read up to ``;`` or a NUL, and trailing
-    spaces or dots dropped."""
+    backslash or a decoded slash as a separator, a name read up to ``;``, a NUL, ``?`` or ``#``,
+    and trailing spaces or dots dropped."""
     decoded = fully_decoded(segment)
     if "%u" in decoded or "%U" in decoded:
         decoded = _IIS_ESCAPE.sub(_iis, decoded)
@@ -141,10 +141,16 @@ def hides_a_dot_segment(segment: str) -> bool:
         raw = decoded.encode("utf-8", "surrogateescape")
         decoded = unicodedata.normalize("NFKC", _OVERLONG.sub(_overlong, raw).decode("utf-8", "replace"))
     for part in decoded.replace("\\", "/").split("/"):
-        name = part.split(";", 1)[0].split("\0", 1)[0]
-        if _DOTS.fullmatch(name):
+        if _DOTS.fullmatch(_NAME_ENDS.split(part, 1)[0]):
             return True
     return False
+
+
+#: Where a decoded segment's name ends for some server: ';' (parameters), a NUL, and a '?' or '#'
+#: that an upstream which decodes before it splits the target reads as the query or fragment
+#: (``..%3f`` is ``..`` to it). Only for dot-segments: as a cut of every path, it would refuse an
+#: object key holding an encoded '?'.
+_NAME_ENDS = re.compile("[;\0?#]")
 
 
 @lru_cache(maxsize=None)  # keyed by the routes' globs only: as many as there are routes

@@ -1410,6 +1410,7 @@ def test_a_well_framed_chunked_body_is_read_however_it_arrives(broker: BrokerPro
         b"GET /h/%252e%252E/admin HTTP/1.1",  # an upstream that decodes twice
         b"GET /h/%2525252e%2525252e/admin HTTP/1.1",  # or more
         b"GET /h/..%00/admin HTTP/1.1",  # one that stops reading at a NUL
+        b"GET /h/..%3f/admin HTTP/1.1",  # one that decodes, then splits off the query
         b"GET /h/..%20/admin HTTP/1.1",  # Windows drops trailing spaces and dots from a name
         b"GET /h/.../admin HTTP/1.1",
         b"GET /h/%u002e%u002e/admin HTTP/1.1",  # IIS's own escape
