@@ -28,7 +28,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 from . import decisions, metrics
@@ -1867,6 +1867,45 @@ def _override(req: AgentRequest, route: str) -> str | None:
                     f"{shown(asked)!r}. Some servers (IIS URL Rewrite, frameworks behind it) serve that path instead, "
                     f"which route '{route}' was not checked against and which the record would misstate. Nothing was "
                     "sent. Request the path you mean, without the header.")
+    if method == "POST" and (asked := _method_field(req)) is not None and asked.strip().upper() not in ("", "POST"):
+        return (f"The request is a POST, but its {METHOD_FIELD} field asks the service for {shown(asked)!r}. Rails, "
+                "Laravel, Symfony and Express's method-override honour that field in a POST and perform the other "
+                f"method, which route '{route}' was not checked against and which the record would misstate. Nothing "
+                f"was sent. Send the request with the method it means, and without the {METHOD_FIELD} field.")
+    return None
+
+
+#: The form field (also a query parameter, or a JSON body's member, for Laravel) through which
+#: frameworks let a POST stand for another method.
+METHOD_FIELD = "_method"
+_MULTIPART_METHOD = re.compile(
+    rb'content-disposition:[^\r\n]*\bname="?_method"?(?:[;\s][^\r\n]*)?\r\n(?:[^\r\n]+\r\n)*\r\n([^\r\n]*)', re.IGNORECASE)
+
+
+def _method_field(req: AgentRequest) -> str | None:
+    """The value of a ``_method`` field the POST carries: in its query, or in its body read as a
+    form, multipart form or JSON object (by the body's own shape, whatever its Content-Type says:
+    frameworks differ in which they trust). None without one; looked for only where the name is."""
+    _, _, query = req.path.partition("?")
+    if "method" in query:  # '%5Fmethod' too: frameworks decode a name before they look it up
+        for name, value in parse_qsl(query, keep_blank_values=True):
+            if name == METHOD_FIELD:
+                return value
+    body = req.body
+    if b"method" not in body and b"\\u" not in body:  # a JSON name may be written in escapes
+        return None
+    if (found := _MULTIPART_METHOD.search(body)) is not None:
+        return found.group(1).decode("latin-1")
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        value = parsed.get(METHOD_FIELD)
+        return value if isinstance(value, str) else None
+    for name, value in parse_qsl(body.decode("latin-1"), keep_blank_values=True):
+        if name == METHOD_FIELD:
+            return value
     return None
 
 

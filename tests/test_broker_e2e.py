@@ -1017,6 +1017,34 @@ def test_a_path_override_header_naming_another_path_is_refused_before_anything_i
     assert forwarded.header(header) == "/h/ok?x=1"
 
 
+@pytest.mark.parametrize("where", ["query", "form", "json", "multipart"])
+def test_a_method_override_field_in_a_post_naming_another_method_is_refused_before_anything_is_sent(
+    broker: BrokerProcess, upstream: HostileUpstream, where: str
+):
+    """Rails, Laravel, Symfony and Express's method-override perform a POST carrying
+    ``_method=DELETE`` as a DELETE: the route was checked, and the record made, for a POST. A field
+    naming POST, or a body that only mentions the name, asks for nothing new."""
+    def post(client: httpx.Client, method: str) -> httpx.Response:
+        if where == "query":
+            return client.post(f"{PAYMENTS}/h/ok?a=1&%5Fmethod={method}", content=b"{}")
+        if where == "form":
+            return client.post(f"{PAYMENTS}/h/ok", data={"amount": "5", "_method": method})
+        if where == "json":
+            return client.post(f"{PAYMENTS}/h/ok", json={"_method": method, "amount": 5})
+        return client.post(f"{PAYMENTS}/h/ok", files={"_method": (None, method), "doc": ("a.txt", b"x")})
+
+    upstream.reset()
+    with broker.client() as client:
+        refused = post(client, "DELETE")
+        same = post(client, "post")
+        mention = client.post(f"{PAYMENTS}/h/ok", data={"payment_method": "pm_1", "note": "_method=DELETE"})
+    record = _override_refused(broker, refused, "_method field", "'DELETE'")
+    assert (record["method"], record["code"]) == ("POST", "UNSUPPORTED_ACTION")
+    assert same.status_code == 200 and same.headers["affidavit-outcome"] == "committed", same.text
+    assert mention.status_code == 200, mention.text
+    assert [r.method for r in upstream.received] == ["POST", "POST"]
+
+
 def test_fields_a_connection_header_names_do_not_cross_the_broker(broker: BrokerProcess, upstream: HostileUpstream):
     """RFC 9110 7.6.1: a proxy removes the fields ``Connection`` names, both ways. A field the
     agent marks as its hop's only is not sent (nor fingerprinted); one the upstream marks so is

@@ -626,3 +626,27 @@ def test_a_method_that_is_not_an_http_token_is_malformed(method, refused):
     req = AgentRequest(agent="a", scheme="https", host="api.test", port=443, method=method, path="/x", headers=[], body=b"")
     why = malformed_request(req, "Idempotency-Key")
     assert (why is not None and "not an HTTP token" in why) if refused else why is None
+
+
+@pytest.mark.parametrize("method,path,body,refused", [
+    ("POST", "/x?_method=DELETE", b"", True),
+    ("POST", "/x?a=1&%5Fmethod=put", b"", True),
+    ("POST", "/x?_method=post", b"", False),
+    ("GET", "/x?_method=DELETE", b"", False),  # frameworks override a POST only
+    ("POST", "/x", b"a=1&_method=PATCH", True),
+    ("POST", "/x", b"%5Fmethod=patch", True),
+    ("POST", "/x", b'{"_method": "DELETE", "x": 1}', True),
+    ("POST", "/x", b'{"\\u005fmethod": "DELETE"}', True),
+    ("POST", "/x", b'--b\r\nContent-Disposition: form-data; name="_method"\r\n\r\nPUT\r\n--b--\r\n', True),
+    ("POST", "/x", b'--b\r\nContent-Disposition: form-data; name="_method_x"\r\n\r\nPUT\r\n--b--\r\n', False),
+    ("POST", "/x", b'{"note": "_method=DELETE", "nested": {"_method": "DELETE"}}', False),
+    ("POST", "/x", b"payment_method=pm_1&amount=5", False),
+    ("POST", "/x", b'[1, "_method"]', False),
+    ("POST", "/x", b"_method=", False),
+])
+def test_a_method_override_field_is_read_where_frameworks_read_it(method, path, body, refused):
+    from proxy.broker import AgentRequest, _override
+
+    req = AgentRequest(agent="a", scheme="https", host="api.test", port=443, method=method, path=path, headers=[], body=body)
+    why = _override(req, "r")
+    assert (why is not None and "_method field" in why) if refused else why is None, why
