@@ -1881,6 +1881,10 @@ METHOD_FIELD = "_method"
 _MULTIPART_METHOD = re.compile(
     rb'content-disposition:[^\r\n]*\bname="?_method"?(?:[;\s][^\r\n]*)?\r\n(?:[^\r\n]+\r\n)*\r\n([^\r\n]*)', re.IGNORECASE)
 
+#: A JSON string "_method", any of its characters perhaps written as a \\u escape.
+_JSON_METHOD_NAME = re.compile(
+    b'"' + b"".join(b"(?:%s|\\\\u00%x)" % (re.escape(bytes([c])), c) for c in b"_method") + b'"', re.IGNORECASE)
+
 
 def _method_field(req: AgentRequest) -> str | None:
     """The value of a ``_method`` field the POST carries: in its query, or in its body read as a
@@ -1892,20 +1896,21 @@ def _method_field(req: AgentRequest) -> str | None:
             if name == METHOD_FIELD:
                 return value
     body = req.body
-    if b"method" not in body and b"\\u" not in body:  # a JSON name may be written in escapes
-        return None
-    if (found := _MULTIPART_METHOD.search(body)) is not None:
+    named = b"method" in body
+    if named and (found := _MULTIPART_METHOD.search(body)) is not None:
         return found.group(1).decode("latin-1")
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        parsed = None
-    if isinstance(parsed, dict):
-        value = parsed.get(METHOD_FIELD)
-        return value if isinstance(value, str) else None
-    for name, value in parse_qsl(body.decode("latin-1"), keep_blank_values=True):
-        if name == METHOD_FIELD:
-            return value
+    if (named or b"\\u" in body) and _JSON_METHOD_NAME.search(body) is not None:
+        try:  # parsed only when a member may be named so: most JSON bodies are not
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            value = parsed.get(METHOD_FIELD)
+            return value if isinstance(value, str) else None
+    if named:
+        for name, value in parse_qsl(body.decode("latin-1"), keep_blank_values=True):
+            if name == METHOD_FIELD:
+                return value
     return None
 
 
