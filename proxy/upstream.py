@@ -481,6 +481,9 @@ class _Connection(asyncio.Protocol):
             # Stop the parser here so it cannot touch the recorded response, and retire the
             # connection (raised errors end feed_data as HttpParserCallbackError).
             raise ResponseBroken("the upstream sent a response nobody asked for")
+        # A new head: Content-Length beside Transfer-Encoding is ambiguous framing again (see
+        # on_headers_complete, which allows it in a chunked body's trailer section only).
+        self.parser.set_dangerous_leniencies(lenient_chunked_length=False)
 
     def on_status(self, reason: bytes) -> None:
         assert self.reading is not None
@@ -514,6 +517,10 @@ class _Connection(asyncio.Protocol):
             reading.reason = b""
             return
         reading.status = status
+        # The final head is parsed, its framing checked. A `Content-Length` that comes after it is
+        # a trailer field of a chunked body, which frames nothing (RFC 9110 6.5.1); llhttp would
+        # refuse it beside Transfer-Encoding, and the complete answer would be recorded as cut.
+        self.parser.set_dangerous_leniencies(lenient_chunked_length=True)
         _resolve(reading.head)
         if reading.method == "HEAD":
             # llhttp cannot be told that a response to HEAD has no body; it would wait for

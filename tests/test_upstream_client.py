@@ -688,3 +688,37 @@ def test_end_to_end_drops_the_fixed_hop_by_hop_fields_and_those_connection_names
               ("X-Hopper", "not named")]
     assert end_to_end(fields) == [("X-Kept", "a"), ("X-Kept", "b"), ("X-Hopper", "not named")]
     assert end_to_end([("Accept", "*/*")]) == [("Accept", "*/*")]
+
+
+def test_a_content_length_trailer_field_does_not_make_a_complete_chunked_answer_incomplete():
+    """RFC 9110 6.5.1: a trailer field frames nothing. A chunked answer that ended (last chunk and
+    blank line seen) whose trailer section holds a Content-Length is complete, not cut short; and a
+    Content-Length beside chunked in the head of the next answer on the connection is still refused."""
+    wire = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nContent-Length: 99\r\n\r\n"
+    response, _, _ = run(_one(_replying(wire)))
+    assert not isinstance(response, Exception), response
+    assert (response.status, response.body, response.framing) == (200, b"hello", "chunked")
+    assert [k for k, _ in response.headers] == ["Transfer-Encoding"]
+    ambiguous = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+    served: list[int] = []
+
+    async def two_answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
+        while True:
+            await server.read_request(reader)
+            served.append(1)
+            writer.write(wire if len(served) == 1 else ambiguous)
+            await writer.drain()
+
+    async def main() -> None:
+        async with Server(two_answers) as server:
+            upstream = Upstream()
+            try:
+                first = await upstream.exchange(request(server.port), Observer())
+                with pytest.raises(ExchangeFailed) as second:
+                    await upstream.exchange(request(server.port), Observer())
+            finally:
+                await upstream.close()
+            assert first.body == b"hello" and server.connections == 1, "the connection was reused"
+            assert second.value.code is Code.REMOTE_OUTCOME_UNKNOWN and "Content-Length" in second.value.diagnostic
+
+    run(main())
