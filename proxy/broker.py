@@ -54,7 +54,7 @@ from .contract import (
     retry_after_seconds,
     retry_hint,
 )
-from .codings import NAMED_CODINGS, Undecodable, codings_of, decode
+from .codings import NAMED_CODINGS, Undecodable, codings_of, decode_transfer
 from .crypto import DecryptError
 from .credentials import (
     CredentialUnavailable,
@@ -274,7 +274,7 @@ class _Exchange:
             transfer = _transfer_codings(response)
             if transfer and body:
                 try:
-                    body = decode(body, transfer, limit)
+                    body = decode_transfer(body, transfer, limit)
                 except Undecodable as exc:
                     problem = f"Transfer-Encoding {_named_codings(transfer)}: {exc}"
             codings = response.all_of("Content-Encoding")
@@ -2061,8 +2061,10 @@ def _named_codings(codings: list[str]) -> str:
 
 
 def _transfer_codings(response: UpstreamResponse) -> list[str]:
-    """Transfer codings other than chunked (which the parser undid), in the order applied."""
-    return [c for c in codings_of(response.all_of("Transfer-Encoding")) if c != "chunked"]
+    """Transfer codings the parser did not undo, in the order applied: all but a final chunked.
+    A chunked before another coding (a close-delimited body, RFC 9112 6.1) is still on the body."""
+    codings = codings_of(response.all_of("Transfer-Encoding"))
+    return codings[:-1] if codings and codings[-1] == "chunked" else codings
 
 
 def _inspectable_codings(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:

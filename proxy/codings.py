@@ -57,6 +57,50 @@ def decode(body: bytes, codings: list[str], limit: int) -> bytes:
     return body
 
 
+def decode_transfer(body: bytes, codings: list[str], limit: int) -> bytes:
+    """Undo transfer ``codings`` (last applied first): :func:`decode`'s codings, and ``chunked``
+    where it is not the last one (RFC 9112 6.1: a response may apply another coding after it and
+    end at the close; the parser only undoes a final ``chunked``). Raises :class:`Undecodable`."""
+    if len(codings) > MAX_CODINGS:
+        raise Undecodable(f"{len(codings)} codings stacked, more than the {MAX_CODINGS} the broker undoes")
+    for coding in reversed(codings):
+        body = _dechunk(body, limit) if coding == "chunked" else decode(body, [coding], limit)
+    return body
+
+
+def _dechunk(body: bytes, limit: int) -> bytes:
+    """The data of a chunked body: every chunk, the last chunk and the trailer section, nothing after."""
+    out = bytearray()
+    pos = 0
+    while True:
+        end = body.find(b"\r\n", pos)
+        if end < 0:
+            raise Undecodable("chunked: the body ends inside a chunk size line")
+        size_text = body[pos:end].split(b";", 1)[0]
+        if not size_text or len(size_text) > 16 or size_text.strip(b"0123456789abcdefABCDEF"):
+            raise Undecodable("chunked: a chunk size that is not a hexadecimal number")
+        size = int(size_text, 16)
+        pos = end + 2
+        if size == 0:
+            break
+        if pos + size + 2 > len(body) or body[pos + size:pos + size + 2] != b"\r\n":
+            raise Undecodable("chunked: a chunk is cut short or not followed by CRLF")
+        out += body[pos:pos + size]
+        if len(out) > limit:
+            raise _over(limit)
+        pos += size + 2
+    while True:  # the trailer section, up to its blank line
+        end = body.find(b"\r\n", pos)
+        if end < 0:
+            raise Undecodable("chunked: the trailer section does not end")
+        line, pos = body[pos:end], end + 2
+        if not line:
+            break
+    if pos != len(body):
+        raise Undecodable("chunked: data after the last chunk")
+    return bytes(out)
+
+
 def encode(body: bytes, codings: list[str]) -> bytes:
     """Apply ``codings`` in order (each must be one of :data:`KNOWN`)."""
     for coding in codings:

@@ -342,3 +342,20 @@ def test_an_echo_in_several_encodings_at_once_inside_a_compressed_body_is_found(
         fields = json.loads(plain)
         assert fields["hex"] == fields["upper"] == "[REDACTED]" and all("[REDACTED]" in v for v in fields.values()), fields
         assert TOKEN.upper().encode() not in plain.upper()
+
+
+def test_a_chunked_coding_before_another_is_undone_too():
+    """RFC 9112 6.1: a close-delimited response may apply chunked, then gzip. Its content is what
+    was chunked, not the chunk framing (which is what the broker stored when it skipped every
+    chunked, the parser having undone none)."""
+    import gzip
+
+    from proxy.codings import decode_transfer
+
+    wire = gzip.compress(b"5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nX-T: 1\r\n\r\n")
+    assert decode_transfer(wire, ["chunked", "gzip"], 1000) == b"hello world"
+    for broken in (b"5\r\nhel", b"5\r\nhelloXX0\r\n\r\n", b"zz\r\n", b"0\r\n\r\nextra", b"0\r\nX-T: 1\r\n", b"5\r\nhello\r\n"):
+        with pytest.raises(Undecodable):
+            decode_transfer(gzip.compress(broken), ["chunked", "gzip"], 1000)
+    with pytest.raises(Undecodable):
+        decode_transfer(b"a\r\n0123456789\r\n0\r\n\r\n", ["chunked"], 5)
