@@ -799,6 +799,7 @@ class Broker:
             connect_timeout=route.connect_timeout or self.settings.upstream.connect_timeout,
             max_response_body=int(self.settings.upstream.max_response_body),
             pool=f"{req.agent}\n{route.name}",
+            reuse=route.reuse_connections,
         )
         exchange = _Exchange(self, entry, request, needles)
         if approval is not None:

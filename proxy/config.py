@@ -322,6 +322,10 @@ class Route(_Section):
     connect_timeout: Duration | None = None
     response_timeout: Duration | None = None
     result_horizon: Duration | None = None
+    #: Keep the route's upstream connections alive between requests (the default). False: a new
+    #: connection for every request, closed after its answer, for an upstream that does not keep
+    #: HTTP/1.1's framing (it answers without reading a body, or sends bytes nobody asked for).
+    reuse_connections: bool = True
 
     @field_validator("methods")
     @classmethod

@@ -170,6 +170,9 @@ class UpstreamRequest:
     #: leaves those bytes ahead of the next request on the connection, which must then be the
     #: same caller's, under the same credential.
     pool: str = ""
+    #: False: a connection of its own, taken from no pool and given back to none, which the
+    #: request asks the upstream to close after its answer (``Connection: close``).
+    reuse: bool = True
 
     @property
     def authority(self) -> str:
@@ -216,6 +219,8 @@ def request_head(request: UpstreamRequest) -> bytes:
             lines.append(f"{name}: {value}")
     if request.body or request.method not in ("GET", "HEAD"):
         lines.append(f"Content-Length: {len(request.body)}")
+    if not request.reuse:
+        lines.append("Connection: close")
     head = "\n".join(lines)
     if head.count("\n") != len(lines) - 1 or "\r" in head or "\0" in head:
         raise ValueError("a header name or value contains a line break or NUL; it would split the request")
@@ -685,7 +690,7 @@ class Upstream:
         except ValueError as exc:
             raise SetupFailed("request", Code.CONNECT_FAILED, str(exc)) from None
         key = (request.pool, request.scheme, request.host.lower(), request.port)
-        conn = self._take(key)
+        conn = self._take(key) if request.reuse else None
         how = "reused"
         if conn is None:
             how = "new"
@@ -714,8 +719,8 @@ class Upstream:
         try:
             return await self._exchange(conn, data, reading, request, observer, progress)
         finally:
-            if (reading.done.done() and not reading.done.exception() and conn.reusable and not conn.lost and conn.flushed
-                    and not _may_have_left_body_unread(request, reading)):
+            if (request.reuse and reading.done.done() and not reading.done.exception() and conn.reusable and not conn.lost
+                    and conn.flushed and not _may_have_left_body_unread(request, reading)):
                 conn.reading = None
                 self._give_back(key, conn)
             else:
