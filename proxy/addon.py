@@ -765,6 +765,32 @@ class BrokerAddon:
             log.exception("proxy authentication failed unexpectedly")
             flow.response = auth_required()
 
+    def next_layer(self, nextlayer: Any) -> None:
+        """Inside a tunnel only HTTP (over TLS or not) is spoken, and answered by the broker.
+        mitmproxy's own choice relays some tunnels raw: one to port 53 or 5353 goes to its DNS
+        layer, which connects to the CONNECT target itself and forwards the agent's messages, with
+        no route checked and nothing recorded. Any layer that is not TLS or HTTP becomes HTTP
+        (bytes that are not HTTP then get the MALFORMED_REQUEST envelope)."""
+        try:
+            from mitmproxy.proxy import layers
+            from mitmproxy.proxy.layers.http import HTTPMode
+
+            chosen = nextlayer.layer
+            if chosen is not None and not isinstance(chosen, (layers.HttpLayer, layers.ServerTLSLayer,
+                                                              layers.ClientTLSLayer, layers.modes.HttpProxy)):
+                log.info("a tunnel was about to be relayed as %s; it is handled as HTTP", type(chosen).__name__)
+                nextlayer.layer = layers.HttpLayer(nextlayer.context, HTTPMode.transparent)
+        except Exception:  # never fail open: no layer chosen relays nothing
+            log.exception("could not check the next layer; nothing is relayed on this connection")
+            nextlayer.layer = None
+
+    def server_connect(self, data: Any) -> None:
+        """mitmproxy never connects upstream on the broker's behalf (the broker's own client does,
+        after a route was matched and the dispatch recorded): any connection mitmproxy itself
+        is about to open is killed, so that no path through mitmproxy fails open."""
+        log.warning("mitmproxy was about to connect to %s itself; refused", data.server.address)
+        data.server.error = "the broker does not let the proxy core connect upstream"
+
     def client_disconnected(self, client: Client) -> None:
         self.auth.forget(client)
 

@@ -1,0 +1,550 @@
+"""Probe: can an agent's request reach another target, path or method than the one the broker
+checked against its routes and recorded (or carry a credential to a host it should not)?
+
+CONNECT host vs the Host / :authority / absolute-form / SNI inside the tunnel, HTTP/2 framing
+edge cases, ports, IPv6 literals, IDNA and odd host spellings. Each case checks the agent's
+answer, the record at the side API, and what the hostile upstream received.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import ssl
+import struct
+import threading
+import time
+from typing import Any, Iterator
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import pytest
+
+from tests.conftest import module_broker, standard_routes
+from tests.support.broker import BrokerProcess
+from tests.support.envelopes import check_envelope
+from tests.support.hostile import HostileUpstream
+from tests.support.journal import query
+
+SECRET_ENV = "PAYMENTS_KEY"
+
+
+def probe_routes(up: HostileUpstream) -> list[dict[str, Any]]:
+    good = f"127.0.0.1:{up.tls_port('good')}"
+    plain = f"127.0.0.1:{up.http_port}"
+    return [
+        *standard_routes(up),
+        {"name": "alt8443", "host": "alt.example.test", "port": 8443, "methods": ["GET", "POST"], "agents": ["builder"],
+         "credential": "payments-key", "inject": {"header": "X-Api-Key", "value": "{secret}"}, "connect_to": good},
+        {"name": "v6plain", "host": "[::1]", "port": 80, "scheme": "http", "methods": ["GET"], "agents": ["builder"],
+         "connect_to": plain},
+        {"name": "kv", "host": "kv.example.test", "port": 443, "methods": ["GET", "POST"], "agents": ["builder"],
+         "credential": "payments-key", "inject": {"header": "X-Api-Key", "value": "{secret}"}, "connect_to": good},
+        {"name": "idn", "host": "xn--bcher-kva.example.test", "port": 443, "methods": ["GET"], "agents": ["builder"],
+         "connect_to": good},
+        {"name": "kplain", "host": "kplain.example.test", "port": 80, "scheme": "http", "methods": ["GET"],
+         "agents": ["builder"], "credential": "payments-key", "inject": {"header": "X-Api-Key", "value": "{secret}"},
+         "connect_to": plain},
+        {"name": "slowpost", "host": "slow.example.test", "port": 443, "methods": ["GET", "POST"], "agents": ["builder"],
+         "connect_to": good},
+    ]
+
+
+@pytest.fixture(scope="module")
+def broker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, pki, upstream_server) -> Iterator[BrokerProcess]:
+    yield from module_broker(request, tmp_path_factory, pki, probe_routes(upstream_server), name="probe", dialect="sqlite")
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def raw_connect(broker: BrokerProcess, authority: bytes, timeout: float = 10) -> tuple[socket.socket, bytes]:
+    """CONNECT ``authority`` with builder's credentials; (socket, the proxy's answer head)."""
+    basic = base64.b64encode(f"builder:{broker.agents['builder'].token}".encode())
+    sock = socket.create_connection(("127.0.0.1", broker.proxy_port), timeout=timeout)
+    sock.sendall(b"CONNECT " + authority + b" HTTP/1.1\r\nHost: " + authority + b"\r\nProxy-Authorization: Basic " + basic + b"\r\n\r\n")
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        head += chunk
+    return sock, head
+
+
+def tls_tunnel(broker: BrokerProcess, authority: bytes, sni: str | None, alpn: str = "http/1.1") -> ssl.SSLSocket:
+    """CONNECT ``authority``, then TLS with ``sni`` (None: no SNI), trusting the broker's CA but
+    not checking the name (the point is which name the broker uses upstream)."""
+    sock, head = raw_connect(broker, authority)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    context = ssl.create_default_context(cafile=str(broker.ca_path))
+    context.check_hostname = False
+    context.set_alpn_protocols([alpn])
+    return context.wrap_socket(sock, server_hostname=sni)
+
+
+def http1_exchange(sock: socket.socket, request: bytes, timeout: float = 15) -> tuple[int, dict[str, str], bytes]:
+    sock.settimeout(timeout)
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(":")
+        headers[k.strip().lower()] = v.strip()
+    length = int(headers.get("content-length", "0"))
+    deadline = time.monotonic() + timeout
+    while len(body) < length and time.monotonic() < deadline:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return int(lines[0].split(" ")[1]), headers, body
+
+
+def record_of(broker: BrokerProcess, headers: dict[str, str]) -> dict[str, Any]:
+    return broker.invocation(headers["affidavit-invocation-id"], broker.operator_token)
+
+
+def latest(broker: BrokerProcess, **params: Any) -> list[dict[str, Any]]:
+    with broker.operator() as api:
+        return api.get("/v1/invocations", params={"limit": 20, **params}).json()["items"]
+
+
+class H2Raw:
+    """An HTTP/2 agent over an already open TLS socket: frames exactly as given."""
+
+    def __init__(self, sock: ssl.SSLSocket) -> None:
+        self.sock = sock
+        config = h2.config.H2Configuration(client_side=True, header_encoding="utf-8", validate_outbound_headers=False,
+                                           normalize_outbound_headers=False, validate_inbound_headers=False)
+        self.conn = h2.connection.H2Connection(config)
+        self.conn.initiate_connection()
+        self.flush()
+        self.streams: dict[int, dict[str, Any]] = {}
+        self.closed = False
+
+    def flush(self) -> None:
+        data = self.conn.data_to_send()
+        if data:
+            self.sock.sendall(data)
+
+    def send(self, headers: list[tuple[str, str]], body: bytes = b"", end_stream: bool = True, flush: bool = True) -> int:
+        sid = self.conn.get_next_available_stream_id()
+        self.conn.send_headers(sid, headers, end_stream=end_stream and not body)
+        if body:
+            self.conn.send_data(sid, body, end_stream=end_stream)
+        self.streams[sid] = {"headers": None, "body": b"", "ended": None}
+        if flush:
+            self.flush()
+        return sid
+
+    def read_until(self, done, timeout: float = 15) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"timed out; streams={self.streams}")
+            self.sock.settimeout(left)
+            try:
+                data = self.sock.recv(65536)
+            except (ConnectionError, ssl.SSLError):
+                data = b""
+            if not data:
+                self.closed = True
+                return
+            for event in self.conn.receive_data(data):
+                sid = getattr(event, "stream_id", None) or 0
+                state = self.streams.get(sid)
+                if isinstance(event, h2.events.ResponseReceived) and state is not None:
+                    state["headers"] = event.headers
+                elif isinstance(event, h2.events.DataReceived):
+                    self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                    if state is not None:
+                        state["body"] += event.data
+                elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)) and state is not None:
+                    state["ended"] = state["ended"] or type(event).__name__
+                elif isinstance(event, h2.events.ConnectionTerminated):
+                    self.closed = True
+            self.flush()
+
+    def response(self, sid: int, timeout: float = 15) -> tuple[int | None, dict[str, str], bytes]:
+        self.read_until(lambda: self.streams[sid]["ended"] is not None or self.closed, timeout)
+        state = self.streams[sid]
+        headers = dict(state["headers"] or [])
+        status = headers.pop(":status", None)
+        return (int(status) if status else None), headers, state["body"]
+
+
+def h2_tunnel(broker: BrokerProcess, host: str, port: int = 443, sni: str | None = None) -> H2Raw:
+    sock = tls_tunnel(broker, f"{host}:{port}".encode(), sni if sni is not None else host, alpn="h2")
+    assert sock.selected_alpn_protocol() == "h2"
+    return H2Raw(sock)
+
+
+def req_headers(method: str, path: str, authority: str, scheme: str = "https", extra: list[tuple[str, str]] | None = None):
+    return [(":method", method), (":scheme", scheme), (":authority", authority), (":path", path), *(extra or [])]
+
+
+# -- raw forwarding outside the broker -------------------------------------------------------
+
+
+class RawListener:
+    """A TCP listener on 127.0.0.1:``port`` that records every byte it receives."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", port))
+        self.sock.listen(8)
+        self.sock.settimeout(0.2)
+        self.got = b""
+        self.connections = 0
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self.sock.accept()
+            except (socket.timeout, OSError):
+                continue
+            self.connections += 1
+            conn.settimeout(2)
+            try:
+                while chunk := conn.recv(4096):
+                    self.got += chunk
+            except OSError:
+                pass
+            conn.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self.thread.join(3)
+        self.sock.close()
+
+
+def _dns_query(name: bytes = b"exfil-secret-data.example") -> bytes:
+    question = b"".join(bytes([len(p)]) + p for p in name.split(b".")) + b"\0" + struct.pack("!HH", 1, 1)
+    message = struct.pack("!HHHHHH", 0x1234, 0x0100, 1, 0, 0, 0) + question
+    return struct.pack("!H", len(message)) + message
+
+
+@pytest.mark.parametrize("port", [5353, 53])
+def test_a_connect_to_a_dns_port_is_not_relayed_raw_outside_the_broker(broker: BrokerProcess, upstream: HostileUpstream, port: int):
+    """mitmproxy's next_layer picks its DNS layer for a tunnel to port 53 or 5353 (before it looks
+    at rawtcp), and that layer opens its own connection to the CONNECT target and relays the
+    agent's DNS messages: no route checked, nothing recorded, to any host."""
+    try:
+        listener = RawListener(port)
+    except OSError as exc:
+        pytest.skip(f"cannot listen on {port}: {exc}")
+    try:
+        sock, head = raw_connect(broker, f"127.0.0.1:{port}".encode())
+        with sock:
+            if head.startswith(b"HTTP/1.1 200"):
+                sock.sendall(_dns_query())
+                sock.settimeout(3)
+                try:
+                    sock.recv(4096)
+                except (socket.timeout, OSError):
+                    pass
+        time.sleep(0.5)
+    finally:
+        listener.close()
+    assert listener.connections == 0 and b"exfil-secret-data" not in listener.got, (
+        f"the broker relayed the agent's bytes to 127.0.0.1:{port} itself: {listener.got!r}")
+
+
+# -- the tunnel's host vs the request's ----------------------------------------------------------
+
+
+def _secret(broker: BrokerProcess) -> str:
+    return broker.env[SECRET_ENV]
+
+
+@pytest.mark.parametrize("inner", [
+    b"GET /h/ok?case=hostB HTTP/1.1\r\nHost: review.example.test\r\n\r\n",
+    b"GET https://review.example.test/h/ok?case=absB HTTP/1.1\r\nHost: review.example.test\r\n\r\n",
+    b"GET https://evil.test:8443/h/ok?case=absB2 HTTP/1.1\r\nHost: api.payments.test\r\n\r\n",
+    b"GET http://review.example.test/h/ok?case=absHttp HTTP/1.1\r\nHost: review.example.test\r\n\r\n",
+], ids=["host-header", "absolute-form", "absolute-other-port", "absolute-http"])
+def test_http1_inside_a_tunnel_to_A_naming_B_reaches_only_A(broker: BrokerProcess, upstream: HostileUpstream, inner: bytes):
+    upstream.reset()
+    with tls_tunnel(broker, b"api.payments.test:443", "api.payments.test") as sock:
+        status, headers, body = http1_exchange(sock, inner)
+    got = upstream.received
+    record = record_of(broker, headers) if "affidavit-invocation-id" in headers else None
+    print(status, headers, body[:300], record and (record["route"], record["target"]), [(r.sni, r.headers, r.path) for r in got])
+    for r in got:
+        assert r.sni == "api.payments.test" and r.header("Host") == "api.payments.test", (r.sni, r.headers)
+    if record is not None and got:
+        assert record["target"].startswith("https://api.payments.test:443/"), record["target"]
+
+
+@pytest.mark.parametrize("sni", [None, "review.example.test", "evil.test"], ids=["no-sni", "sni-B", "sni-evil"])
+def test_sni_other_than_the_connect_host_changes_nothing_upstream(broker: BrokerProcess, upstream: HostileUpstream, sni):
+    upstream.reset()
+    with tls_tunnel(broker, b"api.payments.test:443", sni) as sock:
+        status, headers, body = http1_exchange(sock, b"GET /h/ok HTTP/1.1\r\nHost: api.payments.test\r\n\r\n")
+    assert status == 200, body[:300]
+    record = record_of(broker, headers)
+    assert record["route"] == "payments.create" and record["target"] == "https://api.payments.test:443/h/ok"
+    [r] = upstream.received
+    assert r.sni == "api.payments.test" and r.header("Host") == "api.payments.test"
+
+
+@pytest.mark.parametrize("extra,authority", [
+    ([], "review.example.test"),
+    ([], "evil.test:8443"),
+    ([("host", "evil.test")], "api.payments.test"),
+    ([("host", "evil.test")], "review.example.test"),
+], ids=["authority-B", "authority-other-port", "host-header-B", "both-differ"])
+def test_http2_authority_or_host_naming_B_in_a_tunnel_to_A_reaches_only_A(broker: BrokerProcess, upstream: HostileUpstream, extra, authority):
+    upstream.reset()
+    agent = h2_tunnel(broker, "api.payments.test")
+    try:
+        sid = agent.send(req_headers("GET", "/h/ok?h2=1", authority, extra=extra))
+        status, headers, body = agent.response(sid)
+    finally:
+        agent.sock.close()
+    got = upstream.received
+    print(status, headers, body[:300], [(r.sni, r.headers) for r in got])
+    for r in got:
+        assert r.sni == "api.payments.test" and r.header("Host") == "api.payments.test", (r.sni, r.headers)
+        assert [v for k, v in r.headers if k.lower() == "host"] == ["api.payments.test"], r.headers
+    if "affidavit-invocation-id" in headers:
+        record = record_of(broker, headers)
+        assert record["target"].startswith("https://api.payments.test:443/"), record
+
+
+# -- ports and host spellings --------------------------------------------------------------------
+
+
+def test_connect_to_443_does_not_match_a_route_on_8443(broker: BrokerProcess, upstream: HostileUpstream):
+    upstream.reset()
+    with tls_tunnel(broker, b"alt.example.test:443", "alt.example.test") as sock:
+        status, headers, body = http1_exchange(sock, b"GET /h/ok HTTP/1.1\r\nHost: alt.example.test:8443\r\n\r\n")
+    assert status == 403 and check_envelope(body)["error"]["code"] == "INVALID_TARGET", body[:300]
+    with tls_tunnel(broker, b"alt.example.test:8443", "alt.example.test") as sock:
+        status, headers, body = http1_exchange(sock, b"GET /h/ok HTTP/1.1\r\nHost: alt.example.test\r\n\r\n")
+    assert status == 200, body[:300]
+    [r] = upstream.received
+    assert r.header("Host") == "alt.example.test:8443" and r.sni == "alt.example.test" and r.header("X-Api-Key") == _secret(broker)
+    assert record_of(broker, headers)["target"] == "https://alt.example.test:8443/h/ok"
+
+
+def plain_proxy(broker: BrokerProcess, request_line_and_headers: bytes) -> tuple[int, dict[str, str], bytes]:
+    basic = base64.b64encode(f"builder:{broker.agents['builder'].token}".encode())
+    with socket.create_connection(("127.0.0.1", broker.proxy_port), timeout=10) as sock:
+        return http1_exchange(sock, request_line_and_headers + b"Proxy-Authorization: Basic " + basic + b"\r\n\r\n")
+
+
+@pytest.mark.parametrize("target", [b"http://plain.example.test/h/ok", b"http://plain.example.test:80/h/ok",
+                                    b"http://PLAIN.Example.TEST/h/ok", b"http://plain.example.test:080/h/ok"])
+def test_absolute_form_default_port_spellings_reach_the_same_route(broker: BrokerProcess, upstream: HostileUpstream, target: bytes):
+    upstream.reset()
+    status, headers, body = plain_proxy(broker, b"GET " + target + b" HTTP/1.1\r\nHost: evil.test\r\n")
+    assert status == 200, body[:300]
+    [r] = upstream.received
+    assert r.header("Host").lower() == "plain.example.test" and r.header("X-Api-Key") == _secret(broker), r.headers
+    assert record_of(broker, headers)["target"] == "http://plain.example.test:80/h/ok"
+
+
+@pytest.mark.parametrize("target", [b"http://user@plain.example.test/h/ok", b"http://user:pw@plain.example.test/h/ok",
+                                    b"http://plain%2eexample.test/h/ok", b"http://evil.test\\@plain.example.test/h/ok",
+                                    b"http://plain.example.test%00.evil.test/h/ok", b"http://plain.example.test:80@evil.test/h/ok"])
+def test_absolute_form_userinfo_or_encoded_hosts_never_reach_another_host(broker: BrokerProcess, upstream: HostileUpstream, target: bytes):
+    upstream.reset()
+    status, headers, body = plain_proxy(broker, b"GET " + target + b" HTTP/1.1\r\nHost: plain.example.test\r\n")
+    print(status, body[:300])
+    for r in upstream.received:
+        assert r.header("Host") == "plain.example.test", r.headers
+    assert status in (400, 403) or upstream.received, (status, body[:300])
+
+
+def test_an_ipv6_literal_route_matches_its_host(broker: BrokerProcess, upstream: HostileUpstream):
+    """Route host "[::1]" (the only way configuration takes an IPv6 literal): a request to
+    http://[::1]/ should match it."""
+    upstream.reset()
+    status, headers, body = plain_proxy(broker, b"GET http://[::1]/h/ok HTTP/1.1\r\nHost: [::1]\r\n")
+    assert status == 200, (status, body[:400])
+    [r] = upstream.received
+    assert r.header("Host") == "[::1]"
+
+
+def test_an_upper_case_connect_host_reaches_the_route_host(broker: BrokerProcess, upstream: HostileUpstream):
+    upstream.reset()
+    with tls_tunnel(broker, b"API.PAYMENTS.TEST:443", "API.PAYMENTS.TEST") as sock:
+        status, headers, body = http1_exchange(sock, b"GET /h/ok HTTP/1.1\r\nHost: API.PAYMENTS.TEST\r\n\r\n")
+    assert status == 200, body[:300]
+    [r] = upstream.received
+    print(r.header("Host"), r.sni)
+    assert r.header("Host").lower() == "api.payments.test" and (r.sni or "").lower() == "api.payments.test"
+
+
+def test_a_trailing_dot_host_is_refused(broker: BrokerProcess, upstream: HostileUpstream):
+    upstream.reset()
+    with tls_tunnel(broker, b"api.payments.test.:443", "api.payments.test") as sock:
+        status, headers, body = http1_exchange(sock, b"GET /h/ok HTTP/1.1\r\nHost: api.payments.test.\r\n\r\n")
+    assert status == 403 and check_envelope(body)["error"]["code"] == "INVALID_TARGET"
+    assert upstream.received == []
+
+
+def test_a_kelvin_sign_host_reaches_the_upstream_as_the_route_host(broker: BrokerProcess, upstream: HostileUpstream):
+    """'\u212av.example.test' lower-cases (Python) to the route's 'kv.example.test', and IDNA maps it to
+    the same name for DNS and SNI: the Host header the upstream reads must be that name too, not the
+    agent's Unicode spelling (a virtual-host server would not know it)."""
+    upstream.reset()
+    with tls_tunnel(broker, "\u212av.example.test:443".encode(), "kv.example.test") as sock:
+        status, headers, body = http1_exchange(sock, b"GET /h/ok HTTP/1.1\r\nHost: kv.example.test\r\n\r\n")
+    print(status, headers, body[:300])
+    got = upstream.received
+    for r in got:
+        assert r.header("Host") == "kv.example.test", (r.header("Host"), r.sni)
+
+
+def test_an_idn_route_written_as_its_a_label_matches_the_a_label_host(broker: BrokerProcess, upstream: HostileUpstream):
+    """Configuration takes ASCII host names only, so an IDN route is written as its A-label; an agent
+    that CONNECTs to that same A-label must match it, and the upstream see the A-label in Host."""
+    upstream.reset()
+    with tls_tunnel(broker, b"xn--bcher-kva.example.test:443", "xn--bcher-kva.example.test") as sock:
+        status, headers, body = http1_exchange(sock, b"GET /h/ok HTTP/1.1\r\nHost: xn--bcher-kva.example.test\r\n\r\n")
+    assert status == 200, (status, body[:400])
+    [r] = upstream.received
+    assert r.header("Host") == "xn--bcher-kva.example.test"
+
+
+def test_a_kelvin_sign_host_header_in_origin_form_reaches_the_upstream_as_the_route_host(broker: BrokerProcess, upstream: HostileUpstream):
+    """Origin-form through the plain proxy: mitmproxy takes the host from the Host header as text
+    (no IDNA decoding), and '\u212aplain.example.test' lower-cases to the route's host."""
+    upstream.reset()
+    status, headers, body = plain_proxy(broker, "GET /h/ok HTTP/1.1\r\nHost: \u212aplain.example.test\r\n".encode())
+    print(status, headers, body[:300])
+    for r in upstream.received:
+        assert r.header("Host") == "kplain.example.test", (r.header("Host"),)
+    if "affidavit-invocation-id" in headers:
+        print(record_of(broker, headers)["target"])
+
+
+# -- HTTP/2 specifics -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method,path", [("GET", "h/ok"), ("OPTIONS", "*"), ("GET", ""), ("GET", "http://evil.test/h/ok"),
+                                         ("GET", "//evil.test/h/ok")],
+                         ids=["no-slash", "asterisk", "empty", "absolute", "double-slash"])
+def test_http2_odd_paths_never_reach_another_path_than_recorded(broker: BrokerProcess, upstream: HostileUpstream, method, path):
+    upstream.reset()
+    agent = h2_tunnel(broker, "api.payments.test")
+    try:
+        sid = agent.send(req_headers(method, path, "api.payments.test"))
+        status, headers, body = agent.response(sid)
+    finally:
+        agent.sock.close()
+    print(status, body[:300], [(r.method, r.path) for r in upstream.received])
+    record = record_of(broker, headers) if "affidavit-invocation-id" in headers else None
+    if record:
+        print(record["target"], record["code"], record["outcome"])
+    for r in upstream.received:
+        assert record is not None and record["target"] == "https://api.payments.test:443" + r.path, (record and record["target"], r.path)
+
+
+@pytest.mark.parametrize("fields", [
+    [(":method", "CONNECT"), (":authority", "evil.test:443")],
+    [(":method", "CONNECT"), (":scheme", "https"), (":authority", "evil.test:443"), (":path", "/h/ok")],
+    [(":method", "CONNECT"), (":protocol", "websocket"), (":scheme", "https"), (":authority", "api.payments.test"), (":path", "/h/ok")],
+    [(":method", "GET"), (":scheme", "HTTPS"), (":authority", "api.payments.test"), (":path", "/h/ok")],
+    [(":method", "GET"), (":scheme", "http"), (":authority", "api.payments.test"), (":path", "/h/ok")],
+    [(":method", "GET"), (":scheme", "ftp"), (":authority", "api.payments.test"), (":path", "/h/ok")],
+    [(":method", "GET"), (":scheme", "https"), (":path", "/h/ok")],
+], ids=["connect", "connect-with-path", "extended-connect", "upper-scheme", "http-scheme", "ftp-scheme", "no-authority"])
+def test_http2_connect_and_odd_schemes(broker: BrokerProcess, upstream: HostileUpstream, fields):
+    upstream.reset()
+    agent = h2_tunnel(broker, "api.payments.test")
+    try:
+        sid = agent.send(fields)
+        status, headers, body = agent.response(sid)
+        ok = agent.send(req_headers("GET", "/h/ok?after=1", "api.payments.test"))
+        after = agent.response(ok)[0]
+    finally:
+        agent.sock.close()
+    print(status, body[:300], after, [(r.method, r.path, r.header("Host")) for r in upstream.received])
+    for r in upstream.received:
+        assert r.method == "GET" and r.header("Host") == "api.payments.test" and r.sni == "api.payments.test"
+    if "affidavit-invocation-id" in headers:
+        record = record_of(broker, headers)
+        print(record["target"], record["method"])
+        assert record["target"].startswith("https://api.payments.test:443/")
+
+
+def test_http2_many_small_headers(broker: BrokerProcess, upstream: HostileUpstream):
+    upstream.reset()
+    agent = h2_tunnel(broker, "api.payments.test")
+    try:
+        extra = [(f"x-h{i}", "v") for i in range(3000)]
+        t0 = time.monotonic()
+        sid = agent.send(req_headers("GET", "/h/ok", "api.payments.test", extra=extra))
+        status, headers, body = agent.response(sid, timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        agent.sock.close()
+    print(status, took, body[:200], agent.closed, len(upstream.received))
+
+
+def test_http2_data_after_end_stream_is_not_sent(broker: BrokerProcess, upstream: HostileUpstream):
+    """A DATA frame on a stream the agent already ended: never appended to the request sent."""
+    from hyperframe.frame import DataFrame
+
+    upstream.reset()
+    agent = h2_tunnel(broker, "slow.example.test")
+    try:
+        sid = agent.send(req_headers("POST", "/h/slow?delay=0.3", "slow.example.test", extra=[("content-length", "2")]),
+                         body=b"{}", end_stream=True, flush=False)
+        frame = DataFrame(sid, data=b"EXTRA-BYTES")
+        frame.flags.add("END_STREAM")
+        agent.sock.sendall(agent.conn.data_to_send() + frame.serialize())
+        status, headers, body = agent.response(sid)
+    finally:
+        agent.sock.close()
+    print(status, body[:300], [(r.method, r.body) for r in upstream.received])
+    for r in upstream.received:
+        assert r.body == b"{}"
+
+
+@pytest.mark.parametrize("with_body", [False, True])
+def test_http2_rst_stream_in_the_same_write_as_a_whole_request_sends_nothing(broker: BrokerProcess, upstream: HostileUpstream, with_body):
+    """HEADERS (+DATA) with END_STREAM, then RST_STREAM(CANCEL), in one write: the agent abandoned
+    the request before the broker could dispatch it. It must not be sent (not_attempted,
+    CALLER_CANCELLED); if it is sent, the record must say so (unknown or the result, never
+    not_attempted)."""
+    upstream.reset()
+    agent = h2_tunnel(broker, "slow.example.test")
+    try:
+        body = b'{"charge":1}' if with_body else b""
+        sid = agent.send(req_headers("POST", f"/h/ok?rst={int(with_body)}", "slow.example.test",
+                                     extra=[("content-length", str(len(body)))]), body=body, flush=False)
+        agent.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+        agent.flush()
+        ok = agent.send(req_headers("GET", "/h/ok?after=1", "slow.example.test"))
+        assert agent.response(ok)[0] == 200
+    finally:
+        agent.sock.close()
+    time.sleep(1.0)
+    items = [i for i in latest(broker, route="slowpost") if i["method"] == "POST"]
+    rec = broker.invocation(items[0]["invocation_id"], broker.operator_token) if items else None
+    sent = [r for r in upstream.received if r.method == "POST"]
+    print("sent:", [(r.path) for r in sent], "record:", rec and (rec["target"], rec["stage"], rec["outcome"], rec["code"],
+          rec["caller_disposition"], [e["kind"] for e in rec["events"]]))
+    if rec is not None and rec["target"].endswith(f"rst={int(with_body)}"):
+        if sent:
+            assert rec["evidence"]["dispatch_started"] and rec["outcome"] != "not_attempted"
+    assert not sent, "a request its agent reset before dispatch was sent"
