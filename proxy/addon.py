@@ -468,6 +468,8 @@ def install_caller_watch(addon: "BrokerAddon", clocks: "RequestClocks | None" = 
     from hyperframe.frame import DataFrame, HeadersFrame
     from mitmproxy.proxy.commands import SendData
     from mitmproxy.proxy.layers.http import HttpStream, RequestProtocolError
+    from mitmproxy.net.http.status_codes import CLIENT_CLOSED_REQUEST
+    from mitmproxy.proxy.layers.http._base import ReceiveHttp
     from mitmproxy.proxy.layers.http._http2 import Http2Server, parse_h2_request_headers
 
     handle_event = getattr(HttpStream.handle_event, "__wrapped__", HttpStream.handle_event)
@@ -509,6 +511,21 @@ def install_caller_watch(addon: "BrokerAddon", clocks: "RequestClocks | None" = 
     handle_h2_event = getattr(Http2Server.handle_h2_event, "__wrapped__", Http2Server.handle_h2_event)
 
     def http2_handle_h2_event(self: Any, event: Any) -> Any:
+        # A request's END_STREAM and the agent's RST_STREAM read together: h2 has closed the stream
+        # by the time mitmproxy sees StreamEnded, so mitmproxy forgets the stream there and then
+        # ignores the StreamReset, and the request goes on as if its agent still waited (it is
+        # dispatched, and its answer, dropped on the closed stream, recorded as delivered). The
+        # reset is passed on to the request as mitmproxy passes on any other.
+        if isinstance(event, h2.events.StreamEnded) and event.stream_id in self.streams and self.is_closed(event.stream_id):
+            ended_then_reset(self).add(event.stream_id)
+        elif isinstance(event, h2.events.StreamReset) and event.stream_id in ended_then_reset(self):
+            ended_then_reset(self).discard(event.stream_id)
+            if event.stream_id not in self.streams:
+                stop = yield from handle_h2_event(self, event)
+                yield ReceiveHttp(self.ReceiveProtocolError(
+                    event.stream_id, "stream reset by client",
+                    code=CLIENT_CLOSED_REQUEST if event.error_code == h2.errors.ErrorCodes.CANCEL else self.ReceiveProtocolError.code))
+                return stop
         # Pseudo-header fields mitmproxy cannot parse (one missing, one twice, one unknown) would
         # end the whole connection too: that one stream gets its envelope, ended (and reset if
         # the agent was still sending), and the connection's other requests go on. So does a
@@ -535,6 +552,13 @@ def install_caller_watch(addon: "BrokerAddon", clocks: "RequestClocks | None" = 
         if clocks is not None:
             clocks.http2_event(self, event)  # a stream's body deadline starts with its headers, stops at its end
         return stop
+
+    def ended_then_reset(server: Any) -> set[int]:
+        """The streams of ``server`` whose request ended in the read that also reset them."""
+        pending = server.__dict__.get("_affidavit_ended_then_reset")
+        if pending is None:
+            pending = server.__dict__["_affidavit_ended_then_reset"] = set()
+        return pending
 
     def body_length_mismatch(declared: int, read: int) -> str:
         if read > declared:
@@ -593,6 +617,7 @@ def install_caller_watch(addon: "BrokerAddon", clocks: "RequestClocks | None" = 
 _CONTENT_LENGTH_NOT_A_LENGTH = ("The request's content-length header is not one length in bytes (RFC 9110 8.6: "
                                 "digits only, and one value if it is repeated).")
 _STREAM_ID = "affidavit.stream_id"
+_GONE = "affidavit.gone_before_handled"  # how the agent left a flow before its request hook began
 _LEFT = "affidavit.stream_reset"  # the agent reset this flow's HTTP/2 stream (its connection goes on)
 #: The HTTP/2 connection of each agent connection that speaks it (gone with the connection).
 _HTTP2_SERVERS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
@@ -829,6 +854,8 @@ class BrokerAddon:
                 headers=agent_fields(r),
                 body=r.raw_content or b"",
             )
+            if (gone := flow.metadata.get(_GONE)) is not None:
+                req.leave(gone)  # the agent left before the broker began: nothing is sent
             self._live[flow.id] = req
             try:
                 reply = await self.broker.handle(req)
@@ -873,6 +900,8 @@ class BrokerAddon:
             req = self._live.get(flow.id)
             if req is not None:
                 req.leave(how)
+            else:  # before its request hook began (a reset read with the request's end): it begins with the caller gone
+                flow.metadata.setdefault(_GONE, how)
         except Exception:
             log.exception("could not note that a caller left")
 

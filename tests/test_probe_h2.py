@@ -544,7 +544,76 @@ def test_http2_rst_stream_in_the_same_write_as_a_whole_request_sends_nothing(bro
     sent = [r for r in upstream.received if r.method == "POST"]
     print("sent:", [(r.path) for r in sent], "record:", rec and (rec["target"], rec["stage"], rec["outcome"], rec["code"],
           rec["caller_disposition"], [e["kind"] for e in rec["events"]]))
-    if rec is not None and rec["target"].endswith(f"rst={int(with_body)}"):
-        if sent:
-            assert rec["evidence"]["dispatch_started"] and rec["outcome"] != "not_attempted"
+    if rec is None or not rec["target"].endswith(f"rst={int(with_body)}"):
+        assert not sent, "sent, and not recorded"
+        return  # refused before the broker saw it: nothing recorded, nothing sent
+    assert "RESULT_DELIVERED" not in [e["kind"] for e in rec["events"]], "an answer the agent never got is not delivered"
+    if sent:
+        assert rec["evidence"]["dispatch_started"] and rec["outcome"] != "not_attempted"
     assert not sent, "a request its agent reset before dispatch was sent"
+    assert (rec["outcome"], rec["code"], rec["caller_disposition"]) == ("not_attempted", "CALLER_CANCELLED", "cancelled"), rec
+
+
+def test_http2_rst_stream_before_the_request_ends_sends_and_records_nothing(broker: BrokerProcess, upstream: HostileUpstream):
+    upstream.reset()
+    agent = h2_tunnel(broker, "slow.example.test")
+    try:
+        sid = agent.send(req_headers("POST", "/h/ok?rst=early", "slow.example.test", extra=[("content-length", "5")]),
+                         end_stream=False, flush=False)
+        agent.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+        agent.flush()
+        ok = agent.send(req_headers("GET", "/h/ok?after=1", "slow.example.test"))
+        assert agent.response(ok)[0] == 200
+    finally:
+        agent.sock.close()
+    time.sleep(0.5)
+    assert [r.path for r in upstream.received] == ["/h/ok?after=1"]
+    assert not [i for i in latest(broker, route="slowpost") if i["target"].endswith("rst=early")]
+
+
+def test_http1_request_then_close_in_one_write_is_not_recorded_as_delivered(broker: BrokerProcess, upstream: HostileUpstream):
+    """An HTTP/1 agent that sends a whole request and closes its connection at once never reads an
+    answer: the record must not say it was delivered (and, left before dispatch, nothing is sent)."""
+    upstream.reset()
+    basic = base64.b64encode(f"builder:{broker.agents['builder'].token}".encode())
+    sock = socket.create_connection(("127.0.0.1", broker.proxy_port), timeout=10)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.sendall(b"POST http://plain.example.test/h/ok?closed=1 HTTP/1.1\r\nHost: plain.example.test\r\n"
+                 b"Content-Length: 2\r\nProxy-Authorization: Basic " + basic + b"\r\n\r\n{}")
+    sock.close()
+    time.sleep(1.5)
+    items = [i for i in latest(broker, route="plain") if i["target"].endswith("closed=1")]
+    sent = [r for r in upstream.received if r.path.endswith("closed=1")]
+    if items:
+        rec = broker.invocation(items[0]["invocation_id"], broker.operator_token)
+        print(rec["outcome"], rec["code"], rec["caller_disposition"], [e["kind"] for e in rec["events"]], len(sent))
+        assert "RESULT_DELIVERED" not in [e["kind"] for e in rec["events"]]
+        if sent:
+            assert rec["evidence"]["dispatch_started"]
+
+
+def test_http2_body_end_and_rst_stream_in_one_write_after_the_headers_sends_nothing(broker: BrokerProcess, upstream: HostileUpstream):
+    """HEADERS first (the broker has screened them), then the last DATA frame (END_STREAM) and
+    RST_STREAM(CANCEL) in one write: the agent cancelled before the broker began on the request.
+    Nothing may be sent; the record says not_attempted, CALLER_CANCELLED, and no delivery."""
+    upstream.reset()
+    agent = h2_tunnel(broker, "slow.example.test")
+    try:
+        sid = agent.send(req_headers("POST", "/h/ok?rst=split", "slow.example.test", extra=[("content-length", "2")]),
+                         end_stream=False)
+        time.sleep(0.3)
+        agent.conn.send_data(sid, b"{}", end_stream=True)
+        agent.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+        agent.flush()
+        ok = agent.send(req_headers("GET", "/h/ok?after=1", "slow.example.test"))
+        assert agent.response(ok)[0] == 200
+    finally:
+        agent.sock.close()
+    time.sleep(1.0)
+    [item] = [i for i in latest(broker, route="slowpost") if i["target"].endswith("rst=split")]
+    rec = broker.invocation(item["invocation_id"], broker.operator_token)
+    kinds = [e["kind"] for e in rec["events"]]
+    sent = [r for r in upstream.received if r.path.endswith("rst=split")]
+    assert "RESULT_DELIVERED" not in kinds, kinds
+    assert not sent and "DISPATCH_STARTED" not in kinds, kinds
+    assert (rec["outcome"], rec["code"], rec["caller_disposition"]) == ("not_attempted", "CALLER_CANCELLED", "cancelled"), rec
