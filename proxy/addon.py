@@ -93,6 +93,23 @@ def agent_fields(request: http.Request) -> list[tuple[str, str]]:
     return joined
 
 
+def canonical_host(host: str) -> str:
+    """The request's host as routes name it and as it goes upstream (DNS, SNI, ``Host``): an IPv6
+    literal in brackets (mitmproxy hands it over bare; a route writes ``[::1]``), and a name that
+    is not ASCII as its IDNA A-label, the name DNS and TLS are given anyway. mitmproxy decodes an
+    A-label it reads (``xn--bcher-kva``) to Unicode, and takes a ``Host`` header's text as it is:
+    ``\u212aplain.example.test`` matched ``kplain.example.test`` (Python lower-cases the Kelvin
+    sign to ``k``) while its own bytes went upstream in ``Host``."""
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]"
+    if not host.isascii():
+        try:
+            return host.encode("idna").decode("ascii").lower()
+        except UnicodeError:
+            return host  # no name DNS knows: no route names it either
+    return host
+
+
 def _refusal(status: int, code: Code, message: str, extra_headers: list[tuple[str, str]] | None = None, *,
              retry: Retry = Retry.AFTER_CORRECTION, evidence: dict[str, Any] | None = None) -> http.Response:
     """An unrecorded refusal of the adapter's own (``invocation_id`` null): validation, not attempted."""
@@ -845,7 +862,7 @@ class BrokerAddon:
             req = AgentRequest(
                 agent=agent,
                 scheme=r.scheme,
-                host=r.host,
+                host=canonical_host(r.host),
                 port=r.port,
                 # mitmproxy upper-cases the method, in Unicode: 'PO\u017fT' would become 'POST'.
                 # Only an ASCII one is taken so; any other is passed as sent, to be refused.
