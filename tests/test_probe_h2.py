@@ -514,9 +514,15 @@ def test_http2_data_after_end_stream_is_not_sent(broker: BrokerProcess, upstream
         status, headers, body = agent.response(sid)
     finally:
         agent.sock.close()
-    print(status, body[:300], [(r.method, r.body) for r in upstream.received])
+    time.sleep(1.0)
+    items = [i for i in latest(broker, route="slowpost") if i["target"].endswith("delay=0.3")]
+    rec = broker.invocation(items[0]["invocation_id"], broker.operator_token) if items else None
+    print(status, body[:300], [(r.method, r.body) for r in upstream.received],
+          rec and (rec["outcome"], rec["code"], rec["caller_disposition"], [e["kind"] for e in rec["events"]]))
     for r in upstream.received:
         assert r.body == b"{}"
+    if rec is not None:
+        assert "RESULT_DELIVERED" not in [e["kind"] for e in rec["events"]] or status == 200
 
 
 @pytest.mark.parametrize("with_body", [False, True])
