@@ -1,5 +1,5 @@
-"""Probe: can an agent's request reach another target, path or method than the one the broker
-checked against its routes and recorded (or carry a credential to a host it should not)?
+"""Can an agent's request reach another target, path or method than the one the broker checked
+against its routes and recorded (or carry a credential to a host it should not)?
 
 CONNECT host vs the Host / :authority / absolute-form / SNI inside the tunnel, HTTP/2 framing
 edge cases, ports, IPv6 literals, IDNA and odd host spellings. Each case checks the agent's
@@ -55,7 +55,7 @@ def probe_routes(up: HostileUpstream) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def broker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, pki, upstream_server) -> Iterator[BrokerProcess]:
-    yield from module_broker(request, tmp_path_factory, pki, probe_routes(upstream_server), name="probe", dialect="sqlite")
+    yield from module_broker(request, tmp_path_factory, pki, probe_routes(upstream_server), name="tunnel-targets", dialect="sqlite")
 
 
 # -- helpers ---------------------------------------------------------------------------------
