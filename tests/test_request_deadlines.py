@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.broker import BrokerProcess
+from tests.support.broker import BrokerProcess, split_response
 from tests.support.envelopes import check_envelope
 from tests.support.hostile import HostileUpstream
 from tests.support.journal import query
@@ -112,23 +112,13 @@ def read_response(sock: socket.socket, timeout: float = BOUND) -> tuple[int, dic
         chunk = sock.recv(65536)
         assert chunk, f"the broker closed the connection: {data!r}"
         data += chunk
-    status, headers, body = split(data)
+    status, headers, body = split_response(data)
     while len(body) < int(headers["content-length"]):
         sock.settimeout(max(deadline - time.monotonic(), 0.01))
         chunk = sock.recv(65536)
         assert chunk, "the broker closed the connection mid-body"
         body += chunk
     return status, headers, body
-
-
-def split(data: bytes) -> tuple[int, dict[str, str], bytes]:
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    return int(lines[0].split(" ", 2)[1]), headers, body
 
 
 # -- what the broker says, records and counts --------------------------------------------------------
@@ -153,7 +143,7 @@ def deadline_lines(broker: BrokerProcess, source: str) -> list[dict[str, Any]]:
 
 def assert_408(data: bytes, part: str) -> dict[str, Any]:
     """The answer to a request whose ``part`` did not arrive in time: 408, an envelope, and a close."""
-    status, headers, body = split(data)
+    status, headers, body = split_response(data)
     assert status == 408, data[:300]
     assert headers["connection"] == "close", headers
     assert headers["content-type"] == "application/problem+json", headers

@@ -23,8 +23,9 @@ import h2.events
 import pytest
 
 from tests.conftest import module_broker, standard_routes
-from tests.support.broker import BrokerProcess
+from tests.support.broker import BrokerProcess, split_response
 from tests.support.envelopes import check_envelope
+from tests.support.h2agent import take_in
 from tests.support.hostile import HostileUpstream
 
 SECRET_ENV = "PAYMENTS_KEY"
@@ -92,12 +93,7 @@ def http1_exchange(sock: socket.socket, request: bytes, timeout: float = 15) -> 
         chunk = sock.recv(65536)
         assert chunk, data
         data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in lines[1:]:
-        k, _, v = line.partition(":")
-        headers[k.strip().lower()] = v.strip()
+    status, headers, body = split_response(data)
     length = int(headers.get("content-length", "0"))
     deadline = time.monotonic() + timeout
     while len(body) < length and time.monotonic() < deadline:
@@ -105,7 +101,7 @@ def http1_exchange(sock: socket.socket, request: bytes, timeout: float = 15) -> 
         if not chunk:
             break
         body += chunk
-    return int(lines[0].split(" ")[1]), headers, body
+    return status, headers, body
 
 
 def record_of(broker: BrokerProcess, headers: dict[str, str]) -> dict[str, Any]:
@@ -168,22 +164,8 @@ class H2Raw:
             if not data:
                 self.closed = True
                 return
-            for event in self.conn.receive_data(data):
-                sid = getattr(event, "stream_id", None) or 0
-                state = self.streams.get(sid)
-                if isinstance(event, h2.events.ResponseReceived) and state is not None:
-                    state["headers"] = event.headers
-                elif isinstance(event, h2.events.DataReceived):
-                    self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-                    if state is not None:
-                        state["body"] += event.data
-                elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)) and state is not None:
-                    state["ended"] = state["ended"] or type(event).__name__
-                    if isinstance(event, h2.events.StreamReset):
-                        state["reset"] = event.error_code
-                elif isinstance(event, h2.events.ConnectionTerminated):
-                    self.goaway = event.error_code
-                    self.closed = True
+            if (goaway := take_in(self.conn, self.streams, data)) is not None:
+                self.goaway, self.closed = goaway, True
             self.flush()
 
     def response(self, sid: int, timeout: float = 15) -> tuple[int | None, dict[str, str], bytes]:
@@ -192,6 +174,15 @@ class H2Raw:
         headers = dict(state["headers"] or [])
         status = headers.pop(":status", None)
         return (int(status) if status else None), headers, state["body"]
+
+
+def reset_and_carry_on(agent: H2Raw, sid: int) -> None:
+    """RST_STREAM(CANCEL) on ``sid``, in one write with whatever is pending; the connection's next
+    request is still answered."""
+    agent.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+    agent.flush()
+    ok = agent.send(req_headers("GET", "/h/ok?after=1", "slow.example.test"))
+    assert agent.response(ok)[0] == 200
 
 
 def h2_tunnel(broker: BrokerProcess, host: str, port: int = 443, sni: str | None = None) -> H2Raw:
@@ -591,10 +582,7 @@ def test_http2_rst_stream_in_the_same_write_as_a_whole_request_sends_nothing(bro
         body = b'{"charge":1}' if with_body else b""
         sid = agent.send(req_headers("POST", f"/h/ok?rst={int(with_body)}", "slow.example.test",
                                      extra=[("content-length", str(len(body)))]), body=body, flush=False)
-        agent.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
-        agent.flush()
-        ok = agent.send(req_headers("GET", "/h/ok?after=1", "slow.example.test"))
-        assert agent.response(ok)[0] == 200
+        reset_and_carry_on(agent, sid)
     finally:
         agent.sock.close()
     time.sleep(1.0)
@@ -628,10 +616,7 @@ def test_http2_rst_stream_before_the_request_ends_sends_and_records_nothing(brok
     try:
         sid = agent.send(req_headers("POST", "/h/ok?rst=early", "slow.example.test", extra=[("content-length", "5")]),
                          end_stream=False, flush=False)
-        agent.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
-        agent.flush()
-        ok = agent.send(req_headers("GET", "/h/ok?after=1", "slow.example.test"))
-        assert agent.response(ok)[0] == 200
+        reset_and_carry_on(agent, sid)
     finally:
         agent.sock.close()
     time.sleep(0.5)
@@ -692,10 +677,7 @@ def test_http2_body_end_and_rst_stream_in_one_write_after_the_headers_sends_noth
                          end_stream=False)
         time.sleep(0.3)
         agent.conn.send_data(sid, b"{}", end_stream=True)
-        agent.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
-        agent.flush()
-        ok = agent.send(req_headers("GET", "/h/ok?after=1", "slow.example.test"))
-        assert agent.response(ok)[0] == 200
+        reset_and_carry_on(agent, sid)
     finally:
         agent.sock.close()
     time.sleep(1.0)

@@ -286,6 +286,18 @@ class BrokerProcess:
         )
 
 
+def split_response(data: bytes) -> tuple[int, dict[str, str], bytes]:
+    """An HTTP/1 response read raw: its status, its headers (names lower-cased; a repeated one, the
+    last) and what came after the head."""
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(lines[0].split(" ", 2)[1]), headers, body
+
+
 def big_answer_over_http1(broker: BrokerProcess, size: int, *, read_all: bool, after_head: Any = None) -> tuple[str, int]:
     """GET ``size`` bytes from the plain route's ``/h/big`` with a small receive buffer, so the
     delivery ends only as the agent reads: read it whole, or read its head only and reset the

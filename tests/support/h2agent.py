@@ -89,18 +89,7 @@ class H2Agent:
             self.sock.settimeout(left)
             data = self.sock.recv(65536)
             assert data, "the broker closed the connection"
-            for event in self.conn.receive_data(data):
-                state = self.streams.get(getattr(event, "stream_id", None) or 0)
-                if isinstance(event, h2.events.ResponseReceived) and state is not None:
-                    state["headers"] = event.headers
-                elif isinstance(event, h2.events.DataReceived):
-                    self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-                    if state is not None:
-                        state["body"] += event.data
-                elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)) and state is not None:
-                    state["ended"] = state["ended"] or type(event).__name__  # a reset after a whole answer: ended
-                    if isinstance(event, h2.events.StreamReset):
-                        state["reset"] = event.error_code
+            take_in(self.conn, self.streams, data)
             self._flush()
 
     def close(self) -> None:
@@ -108,3 +97,25 @@ class H2Agent:
             self.sock.close()
         except OSError:
             pass
+
+
+def take_in(conn: h2.connection.H2Connection, streams: dict[int, dict[str, Any]], data: bytes) -> int | None:
+    """Feed what the broker sent to ``conn``, noting each stream's response in ``streams`` (its
+    ``headers``, ``body``, how it ``ended`` and a RST_STREAM's ``reset`` code); the error code of a
+    GOAWAY that ended the connection, if one came."""
+    goaway = None
+    for event in conn.receive_data(data):
+        state = streams.get(getattr(event, "stream_id", None) or 0)
+        if isinstance(event, h2.events.ResponseReceived) and state is not None:
+            state["headers"] = event.headers
+        elif isinstance(event, h2.events.DataReceived):
+            conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            if state is not None:
+                state["body"] += event.data
+        elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)) and state is not None:
+            state["ended"] = state["ended"] or type(event).__name__  # a reset after a whole answer: ended
+            if isinstance(event, h2.events.StreamReset):
+                state["reset"] = event.error_code
+        elif isinstance(event, h2.events.ConnectionTerminated):
+            goaway = event.error_code
+    return goaway
