@@ -208,7 +208,7 @@ async def serve(
         await engine.dispose()
         raise StartupError(f"{journal.start_problem}; see the log above")
     try:
-        upstream = Upstream(ca_bundle=settings.upstream.ca_bundle)
+        upstream = Upstream(ca_bundle=settings.upstream.ca_bundle, keepalive=settings.upstream.keepalive)
     except (OSError, ssl.SSLError) as exc:
         raise StartupError(f"upstream.ca_bundle {settings.upstream.ca_bundle}: {exc.strerror or exc}") from None
     credentials = Credentials(settings, engine, ring)

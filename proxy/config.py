@@ -186,6 +186,8 @@ class UpstreamSection(_Section):
     #: so a result that arrives late is still recorded and fetchable.
     result_horizon: Duration = 300.0
     max_response_body: Size = ByteSize(32 * 1024 * 1024)
+    #: How long an idle upstream connection is kept for the next request of its agent and route.
+    keepalive: Duration = 30.0
 
 
 _KEY_ENTRY = re.compile(r"^([A-Za-z0-9_.-]{1,64})=((?:env|file):.+)$")

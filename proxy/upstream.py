@@ -83,7 +83,8 @@ MAX_RESPONSE_HEAD = 64 * 1024
 #: Plaintext read from a TLS connection's buffer per call.
 TLS_READ_SIZE = 256 * 1024
 
-#: An idle pooled connection older than this is closed rather than reused.
+#: An idle pooled connection older than this is closed rather than reused (the default of
+#: ``[upstream] keepalive``).
 KEEPALIVE_SECONDS = 30.0
 
 
@@ -654,12 +655,13 @@ class _Progress:
 class Upstream:
     """The broker's upstream client: one pool of keep-alive connections per broker process."""
 
-    def __init__(self, *, ca_bundle: str = "", dns_timeout: float = 10.0):
+    def __init__(self, *, ca_bundle: str = "", dns_timeout: float = 10.0, keepalive: float = KEEPALIVE_SECONDS):
         context = ssl.create_default_context()
         if ca_bundle:
             context.load_verify_locations(cafile=ca_bundle)
         self._tls = context
         self._dns_timeout = dns_timeout
+        self._keepalive = keepalive
         self._pins: dict[tuple[str, int], tuple[str, int]] = {}
         self._idle: dict[tuple[str, str, str, int], list[_Connection]] = {}
         self._sweeper: asyncio.TimerHandle | None = None
@@ -838,7 +840,7 @@ class Upstream:
         now = time.monotonic()
         while idle:
             conn = idle.pop()  # the most recently used: the likeliest to be alive
-            if conn.idle_and_open and now - conn.idle_since < KEEPALIVE_SECONDS:
+            if conn.idle_and_open and now - conn.idle_since < self._keepalive:
                 return conn
             self._forget(conn)
         return None
@@ -850,7 +852,7 @@ class Upstream:
         conn.idle_since = time.monotonic()
         self._idle.setdefault(key, []).append(conn)
         if self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().call_later(KEEPALIVE_SECONDS, self._sweep)
+            self._sweeper = asyncio.get_running_loop().call_later(self._keepalive, self._sweep)
 
     def _forget(self, conn: _Connection) -> None:
         conn.close()
@@ -862,7 +864,7 @@ class Upstream:
         self._sweeper = None
         now = time.monotonic()
         for key, idle in list(self._idle.items()):
-            keep = [c for c in idle if c.idle_and_open and now - c.idle_since < KEEPALIVE_SECONDS]
+            keep = [c for c in idle if c.idle_and_open and now - c.idle_since < self._keepalive]
             for conn in idle:
                 if conn not in keep:
                     self._forget(conn)
@@ -872,7 +874,7 @@ class Upstream:
                 del self._idle[key]
         self._open = {c for c in self._open if not c.lost}
         if self._idle:
-            self._sweeper = asyncio.get_running_loop().call_later(KEEPALIVE_SECONDS / 2, self._sweep)
+            self._sweeper = asyncio.get_running_loop().call_later(self._keepalive / 2, self._sweep)
 
 
 async def _connect_socket(loop: asyncio.AbstractEventLoop, addresses: list[tuple[Any, ...]], timeout: float) -> socket.socket:

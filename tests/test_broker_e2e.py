@@ -1716,3 +1716,19 @@ def test_a_client_that_takes_the_side_api_for_the_proxy_is_told_so(broker: Broke
         assert "not its proxy" not in _seen(anyone.get("/v1/charges")).json()["detail"]
     logged = broker.logs()[offset:]
     assert "Unsupported upgrade" not in logged and "Invalid HTTP request" not in logged, logged[-2000:]
+
+
+def test_upstream_keepalive_is_how_long_an_idle_connection_is_reused(make_broker, upstream: HostileUpstream):
+    """[upstream] keepalive reaches the broker's client: within it the next request rides the same
+    connection, past it a new one is opened."""
+    broker = make_broker(start=False)
+    broker.config.setdefault("upstream", {})["keepalive"] = "400ms"
+    broker.config_path.write_text(tomli_w.dumps(broker.config))
+    broker.start()
+    upstream.reset()
+    with broker.client() as client:
+        for pause in (0.0, 0.05, 1.0):
+            time.sleep(pause)
+            assert client.get(f"{PAYMENTS}/h/ok").status_code == 200
+    first, second, third = upstream.received
+    assert first.conn_id == second.conn_id != third.conn_id

@@ -361,6 +361,27 @@ def test_a_connection_closing_response_is_not_reused():
     run(main())
 
 
+def test_an_idle_connection_is_reused_within_keepalive_only():
+    """[upstream] keepalive: a connection idle longer is closed, not written on (an upstream whose
+    own idle timeout is shorter may be closing it, and a write there has an unknown outcome)."""
+    async def main() -> None:
+        async with Server(answer_each) as server:
+            upstream = Upstream(keepalive=0.3)
+            try:
+                seen = []
+                for pause in (0.0, 0.05, 0.6, 0.05):
+                    await asyncio.sleep(pause)
+                    observer = Observer()
+                    await upstream.exchange(request(server.port), observer)
+                    seen.append(observer.calls[0][1])
+            finally:
+                await upstream.close()
+            assert seen == ["new", "reused", "new", "reused"]
+            assert server.connections == 2
+
+    run(main())
+
+
 def test_a_close_delimited_body_cut_by_the_broker_itself_is_not_complete():
     """At shutdown the broker closes its connections; the end of the connection is then no
     evidence that a close-delimited body was whole."""
