@@ -260,7 +260,19 @@ def test_a_broker_out_of_file_descriptors_says_so_and_blames_no_upstream(make_br
     pid = broker.proc.pid
     tunnel = broker.tunnel("crash.example.test")  # the agent's connection, opened while descriptors remain
     soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
-    resource.prlimit(pid, resource.RLIMIT_NOFILE, (len(os.listdir(f"/proc/{pid}/fd")), hard))
+    # The limit caps descriptor *numbers*: set it to the lowest free one, so that a hole left by a
+    # closed descriptor cannot be handed out (a count of open descriptors can sit above a hole), and
+    # again while the broker still closes some (the readiness probe's connection, say).
+    seen: set[int] = set()
+    for _ in range(50):
+        in_use = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+        if in_use == seen:
+            break
+        seen = in_use
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (min(set(range(len(in_use) + 1)) - in_use), hard))
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the broker's descriptors never settled: {sorted(seen)}")
     try:
         tunnel.sendall(b"POST /h/ok HTTP/1.1\r\nHost: crash.example.test\r\nContent-Length: 2\r\n\r\n{}")
         answer = b""
