@@ -18,7 +18,8 @@ journal, which already serves several brokers (leases, fencing, recovery).
 * Stop: SIGTERM or SIGINT to the supervisor reaches every worker; each drains like a single
   broker. A worker whose supervisor disappears (even by SIGKILL) stops within a second.
 * Metrics: the workers share a Prometheus multiprocess directory, so ``/metrics`` from any
-  worker counts all of them.
+  worker counts all of them. It is removed when the supervisor stops; one left by a supervisor
+  killed with SIGKILL (its name carries that supervisor's pid) is removed by the next one to start.
 """
 
 from __future__ import annotations
@@ -109,6 +110,45 @@ def worker_argv(config: Path | None, index: int) -> list[str]:
             "--worker-index", str(index)]
 
 
+METRICS_PREFIX = "affidavit-metrics-"
+
+
+def sweep_metrics_dirs(parent: str | None = None) -> list[str]:
+    """Remove the metrics directories of supervisors that are gone (a SIGKILL gives one no chance
+    to remove its own); the names removed. A directory whose supervisor pid is alive, or that is
+    not this user's, or whose name carries no pid, is left alone."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        pid_text = entry.name[len(METRICS_PREFIX):].partition("-")[0]
+        if not (entry.name.startswith(METRICS_PREFIX) and pid_text.isdigit()):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        if _alive(int(pid_text)):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def supervise(settings: Settings, config: Path | None, workers: int, announce=print) -> int:
     """Run ``workers`` broker processes until a signal; the exit status of the whole broker."""
     from .app import StartupError, banner, prepare_ca
@@ -123,7 +163,8 @@ def supervise(settings: Settings, config: Path | None, workers: int, announce=pr
     except StartupError as exc:
         print(f"affidavit: cannot start: {exc}", file=sys.stderr)
         return 1
-    metrics_dir = tempfile.mkdtemp(prefix="affidavit-metrics-")
+    sweep_metrics_dirs()
+    metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_PREFIX}{os.getpid()}-")
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir, "AFFIDAVIT_SUPERVISOR_PID": str(os.getpid())}
     pool = [Worker(i, worker_argv(config, i), env) for i in range(workers)]
     stopping = threading.Event()

@@ -162,18 +162,32 @@ def test_a_worker_that_cannot_restart_through_an_outage_stops_nothing_and_serves
         assert broker.stop() == 0
 
 
-def test_sigterm_stops_every_worker_and_a_killed_supervisor_leaves_none(pg_url, make_broker, upstream):
-    broker = make_broker(db_url=pg_url, proxy={"workers": 2})
+def test_sigterm_stops_every_worker_and_a_killed_supervisor_leaves_none(pg_url, make_broker, upstream, tmp_path):
+    temp = tmp_path / "temp"  # the supervisor's metrics directory goes here, out of other tests' way
+    temp.mkdir()
+    broker = make_broker(db_url=pg_url, proxy={"workers": 2}, env={"TMPDIR": str(temp)})
     pids = worker_pids(broker)
     assert broker.stop() == 0
     assert wait_gone(pids) == []
+    assert os.listdir(temp) == [], "a stopped supervisor removes its metrics directory"
     broker.start()
     pids = worker_pids(broker)
     assert broker.proc is not None
-    os.kill(broker.proc.pid, signal.SIGKILL)  # the supervisor only; its workers must notice
+    killed = broker.proc.pid
+    os.kill(killed, signal.SIGKILL)  # the supervisor only; its workers must notice
     assert wait_gone(pids, timeout=10) == [], "orphaned workers keep serving"
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", broker.proxy_port)) != 0
+    [left] = os.listdir(temp)  # SIGKILL gave it no chance to remove it; the next supervisor does
+    assert left.startswith(f"affidavit-metrics-{killed}-"), left
+    someone_elses = temp / "affidavit-metrics-1-live"  # pid 1 is alive: not a leftover
+    someone_elses.mkdir()
+    broker.start()
+    assert broker.proc is not None
+    [own] = [name for name in os.listdir(temp) if name != "affidavit-metrics-1-live"]
+    assert own.startswith(f"affidavit-metrics-{broker.proc.pid}-"), os.listdir(temp)
+    assert broker.stop() == 0
+    assert os.listdir(temp) == ["affidavit-metrics-1-live"]
 
 
 def test_workers_refuse_a_taken_port(pg_url, make_broker, upstream):
