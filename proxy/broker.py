@@ -635,7 +635,7 @@ class Broker:
 
     def _preflight(self, matched: Route | Refusal, req: AgentRequest) -> tuple[Code, str] | None:
         """Checks that need no secret and no I/O; a refusal is ``validation/not_attempted``."""
-        if (malformed := malformed_request(req, self.settings.proxy.idempotency_header)) is not None:
+        if (malformed := malformed_request(req, *self._key_headers(matched))) is not None:
             return Code.MALFORMED_REQUEST, malformed
         if isinstance(matched, Refusal):
             if matched.code is Code.INVALID_TARGET and self._is_side_api(req):
@@ -670,11 +670,22 @@ class Broker:
             )
         return None
 
+    def _key_headers(self, route: Route | Refusal) -> tuple[str, ...]:
+        """The headers an agent may name its operation's key in: ``[proxy] idempotency_header``
+        and, on a route with a remote contract, the contract's own header (an SDK of that API
+        sends its key there, and a repeat with that key must stay one operation)."""
+        ours = self.settings.proxy.idempotency_header
+        if isinstance(route, Route) and route.idempotency is not None and route.idempotency.header.lower() != ours.lower():
+            return ours, route.idempotency.header
+        return (ours,)
+
     def _idempotency_key(self, req: AgentRequest, route: Route) -> tuple[str | None, bool]:
-        """(key, generated). A route with a declared remote contract always gets a key."""
-        key = req.header(self.settings.proxy.idempotency_header)
-        if key:
-            return key.strip(), False  # at most MAX_KEY_LENGTH: longer ones are refused (malformed_request)
+        """(key, generated). A route with a declared remote contract always gets a key: the
+        agent's own (in either of :meth:`_key_headers`; two different ones are refused by
+        :func:`malformed_request`), or a new one."""
+        for name in self._key_headers(route):
+            if key := req.header(name):
+                return key.strip(), False  # at most MAX_KEY_LENGTH: longer ones are refused (malformed_request)
         if route.idempotency is not None:
             return f"afk_{ULID()}", True
         return None, False
@@ -1751,7 +1762,7 @@ MAX_KEY_LENGTH = 255
 _METHOD = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
-def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
+def malformed_request(req: AgentRequest, idempotency_header: str, contract_header: str | None = None) -> str | None:
     """Why the request cannot be checked against the routes or sent as it is, or None.
 
     * A line break or NUL in a header, or in the request target anything but visible ASCII
@@ -1762,8 +1773,8 @@ def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
       resolved by many upstreams (RFC 3986 section 5.2.4) to a path the route's ``path`` glob
       never saw: ``/allowed/../admin`` would carry the route's credential to ``/admin``.
     * An idempotency key must be one visible-ASCII value (a structured-field string): a second,
-      different key, or bytes that are not text, would bind the operation to something the agent
-      did not mean.
+      different key (in ``idempotency_header`` or the route's ``contract_header``), or bytes that
+      are not text, would bind the operation to something the agent did not mean.
     """
     if not _METHOD.fullmatch(req.method):
         return (f"The request method {shown(req.method)!r} is not an HTTP token (letters, digits and "
@@ -1805,6 +1816,12 @@ def malformed_request(req: AgentRequest, idempotency_header: str) -> str | None:
     if len(set(k.strip() for k in keys)) > 1:
         return (f"The request has {len(keys)} different {idempotency_header} headers. Nothing was sent. Send one key: "
                 "it names one operation.")
+    if contract_header is not None and (theirs := req.values_of(contract_header)):
+        if len(set(k.strip() for k in [*keys, *theirs])) > 1:
+            named = f"{idempotency_header} and {contract_header}" if keys else f"{len(theirs)} {contract_header}"
+            return (f"The request has different idempotency keys in {named} headers. Nothing was sent. Send one "
+                    f"key (in either header, or the same in both): it names one operation.")
+        idempotency_header, keys = (idempotency_header, keys) if keys else (contract_header, theirs)
     key = keys[0].strip() if keys else None
     if key is not None and not all(" " <= c <= "~" for c in key):
         return (f"The {idempotency_header} header holds characters other than visible ASCII (or bytes that are not "

@@ -25,6 +25,7 @@ from tests.support.journal import query
 
 PAY = "https://pay.example.test"
 NO_CONTRACT = "https://pay-nc.example.test"
+OWN_HEADER = "https://pay-own.example.test"
 SHORT = "https://pay-short.example.test"
 PUT = "https://put.example.test"
 TIGHT = "https://pay-tight.example.test"
@@ -39,6 +40,8 @@ def retry_routes(up: HostileUpstream) -> list[dict[str, Any]]:
         {"name": "pay", "host": "pay.example.test", "methods": ["POST"], **base, **credential,
          "idempotency": {"header": "Idempotency-Key", "scope": "payments.create", "retention": "1h"}},
         {"name": "pay-nc", "host": "pay-nc.example.test", "methods": ["POST"], **base},
+        {"name": "pay-own-header", "host": "pay-own.example.test", "methods": ["POST"], **base,
+         "idempotency": {"header": "X-Idem", "scope": "own", "retention": "1h"}},
         {"name": "pay-short", "host": "pay-short.example.test", "methods": ["POST"], **base,
          "idempotency": {"header": "Idempotency-Key", "scope": "short", "retention": "1s"}},
         {"name": "put", "host": "put.example.test", "methods": ["PUT", "GET"], **base},
@@ -193,6 +196,32 @@ def test_an_unknown_outcome_under_a_remote_contract_is_resent_with_the_same_key(
     assert [a["n"] for a in record["evidence"]["attempts"]] == [1, 2]
     kinds = [e["kind"] for e in record["events"]]
     assert kinds.count("DISPATCH_STARTED") == 2 and kinds.count("FAILED") == 1
+
+
+def test_a_key_sent_in_the_routes_own_contract_header_is_the_agents_key_and_a_retry_stays_one_effect(broker, upstream):
+    """An SDK of an API whose contract header is not Idempotency-Key (PayPal-Request-Id, say)
+    sends its key there. That key names the operation: the lost answer's same-key repeat is the
+    same invocation, re-sent with the agent's key, and the upstream applies it once."""
+    k = key()
+    url = f"{OWN_HEADER}/h/idem_honour?code=201&lose=1&header=X-Idem"
+    with broker.client() as client:
+        lost = client.post(url, content=b'{"amount":100}', headers={"X-Idem": k})
+        body = check_envelope(lost.content)
+        assert (lost.status_code, body["error"]["outcome"], body["error"]["retry"]) == (502, "unknown", "same_idempotency_key")
+        assert lost.headers["affidavit-idempotency-key"] == k
+        retried = client.post(url, content=b'{"amount":100}', headers={"X-Idem": k})
+        both = client.post(url, content=b'{"amount":100}', headers={"X-Idem": k, "Idempotency-Key": k})
+        differ = client.post(url, content=b'{"amount":100}', headers={"X-Idem": k, "Idempotency-Key": key()})
+    assert retried.status_code == 201 and retried.headers["affidavit-invocation-id"] == body["invocation_id"]
+    assert both.headers["affidavit-replayed"] == "true" and both.headers["affidavit-invocation-id"] == body["invocation_id"]
+    refused = check_envelope(differ.content)
+    assert (differ.status_code, refused["error"]["code"]) == (400, "MALFORMED_REQUEST"), differ.text
+    assert "different idempotency keys" in refused["error"]["message"]
+    attempts = sent(upstream)
+    assert len(attempts) == 2, "the original and its re-send; the replay and the refusal sent nothing"
+    assert [a.header("X-Idem") for a in attempts] == [k, k] and all(a.header("Idempotency-Key") is None for a in attempts)
+    assert upstream.effects_by_key == {k: 1}
+    assert broker.invocation(body["invocation_id"])["idempotency"]["key"] == k
 
 
 def test_without_a_declared_contract_an_unknown_post_needs_reconciliation(broker, upstream):

@@ -496,24 +496,27 @@ def test_a_custom_idempotency_header_is_the_only_key(custom_header_broker, upstr
 
 def test_a_custom_idempotency_header_feeds_a_declared_contract(custom_header_broker, upstream):
     broker = custom_header_broker
-    k, ignored = key(), key()
+    k, theirs = key(), key()
     url = "https://shared-1.example.test/h/idem_honour?code=201"
     with broker.client() as client:
         keyed = post(client, url, {"X-Operation-Key": k})
-        first = post(client, url, {"Idempotency-Key": ignored})
-        second = post(client, url, {"Idempotency-Key": ignored})
-    assert keyed.status_code == first.status_code == second.status_code == 201
+        first = post(client, url, {"Idempotency-Key": theirs})
+        second = post(client, url, {"Idempotency-Key": theirs})
+        unkeyed = post(client, url, {})
+    assert keyed.status_code == first.status_code == second.status_code == unkeyed.status_code == 201
     assert keyed.headers["affidavit-idempotency-key"] == k
     seen = sent(upstream)
     assert seen[0].header("Idempotency-Key") == k and seen[0].header("X-Operation-Key") is None
-    # The default header is not a key: the broker makes one per request and replaces the agent's
-    # header with it (on a contract route the contract header is the broker's to set).
-    generated = [r.headers["affidavit-idempotency-key"] for r in (first, second)]
-    assert all(g.startswith("afk_") for g in generated) and generated[0] != generated[1]
-    assert [s.header("Idempotency-Key") for s in seen[1:]] == generated
-    assert "affidavit-replayed" not in second.headers
-    assert first.headers["affidavit-invocation-id"] != second.headers["affidavit-invocation-id"]
-    assert upstream.effects == 3 and ignored not in upstream.effects_by_key
+    # The contract's own header (here the default name, not [proxy] idempotency_header) is the
+    # agent's key too: the repeat is the same operation, replayed, never a second effect under a
+    # key the broker made up. Only a request with no key at all gets one of the broker's.
+    assert first.headers["affidavit-idempotency-key"] == theirs
+    assert second.headers["affidavit-replayed"] == "true"
+    assert first.headers["affidavit-invocation-id"] == second.headers["affidavit-invocation-id"]
+    generated = unkeyed.headers["affidavit-idempotency-key"]
+    assert generated.startswith("afk_")
+    assert [s.header("Idempotency-Key") for s in seen[1:]] == [theirs, generated]
+    assert upstream.effects == 3 and upstream.effects_by_key[theirs] == 1
 
 
 # -- 5. the key is durable before dispatch ---------------------------------------------------------
@@ -612,6 +615,29 @@ def test_a_path_whose_decodings_settle_is_not_refused_for_its_depth(path):
 
     req = AgentRequest(agent="a", scheme="https", host="api.test", port=443, method="GET", path=path, headers=[], body=b"")
     assert malformed_request(req, "Idempotency-Key") is None
+
+
+@pytest.mark.parametrize("headers,refused", [
+    ([("X-Idem", "k1")], False),
+    ([("Idempotency-Key", "k1"), ("X-Idem", "k1")], False),
+    ([("Idempotency-Key", "k1"), ("X-Idem", " k1 ")], False),
+    ([("Idempotency-Key", "k1"), ("X-Idem", "k2")], True),
+    ([("X-Idem", "k1"), ("x-idem", "k2")], True),
+    ([("X-Idem", "")], True),
+    ([("X-Idem", "caf\u00e9")], True),
+    ([("X-Idem", "k" * 256)], True),
+])
+def test_a_key_in_the_routes_contract_header_is_checked_as_the_agents_key(headers, refused):
+    """On a route whose contract names its own header, the agent's key may come in it: it is
+    held to the same rules, and two different keys (one in each header, say) are refused."""
+    from proxy.broker import AgentRequest, malformed_request
+
+    req = AgentRequest(agent="a", scheme="https", host="api.test", port=443, method="POST", path="/x", headers=headers, body=b"")
+    why = malformed_request(req, "Idempotency-Key", "X-Idem")
+    assert (why is not None) is refused, why
+    if refused and len({v.strip() for _, v in headers}) > 1:
+        assert "different idempotency keys" in why, why
+    assert malformed_request(req, "Idempotency-Key") is None, "without the route's contract, X-Idem is just a header"
 
 
 @pytest.mark.parametrize("method,refused", [
