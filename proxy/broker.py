@@ -1001,16 +1001,21 @@ class Broker:
         """An answer about a repeat of a keyed operation. ``record`` None: this request itself was
         refused before anything (its own fingerprint given, next to the one the key is bound to)."""
         identity = identity_of(row)
-        if record is None:  # this request itself was not attempted
-            phase, outcome = Phase.VALIDATION, Outcome.NOT_ATTEMPTED
-            retry = Retry.BACKOFF if code is Code.IDEMPOTENCY_IN_PROGRESS else Retry.AFTER_CORRECTION
+        phase = Phase.VALIDATION
+        if code is Code.IDEMPOTENCY_IN_PROGRESS:
+            # An attempt of the operation this key names is running (here or on another broker):
+            # it may cross the dispatch boundary at any moment, if it has not already, so its
+            # effect is unknown, whatever its record said when it was read (`not_attempted`
+            # would tell the agent nothing will happen, and invite a new key: a second effect).
+            # What is safe is this very request, key and all, again: it is answered from the
+            # record, once there is one, and never sent twice.
+            outcome, retry = Outcome.UNKNOWN, Retry.SAME_IDEMPOTENCY_KEY
+        elif record is None:  # this request itself was not attempted
+            outcome, retry = Outcome.NOT_ATTEMPTED, Retry.AFTER_CORRECTION
         else:
-            phase = Phase.VALIDATION
             outcome = record.outcome
             retry = retry_hint(record, identity.operation, retention_open=identity.retention_open(utcnow())) or Retry.BACKOFF
-            if code is Code.IDEMPOTENCY_IN_PROGRESS:
-                retry = Retry.BACKOFF
-            elif code is Code.RETRY_BUDGET_EXHAUSTED:
+            if code is Code.RETRY_BUDGET_EXHAUSTED:
                 retry = Retry.RECONCILE if outcome is Outcome.UNKNOWN else Retry.AFTER_CORRECTION
         evidence = evidence_from(record, identity)
         if request_fingerprint is not None:
@@ -1022,7 +1027,10 @@ class Broker:
             (INVOCATION_HEADER, row["invocation_id"]),
             (OUTCOME_HEADER, outcome.value),
             (CODE_HEADER, code.value),
-            *should_retry(retry),
+            # A client's own retry loop (an SDK's) repeats this request with the agent's key,
+            # which is what is safe here; it should wait a moment first.
+            *([("x-should-retry", "true"), ("Retry-After", "1")] if code is Code.IDEMPOTENCY_IN_PROGRESS
+              else should_retry(retry)),
         ]
         if row["idempotency_key"]:
             headers.append((IDEMPOTENCY_KEY_HEADER, row["idempotency_key"]))

@@ -167,10 +167,49 @@ def test_a_repeat_while_in_flight_gets_409_and_sends_nothing(broker, upstream):
         second = post(client, PAY + "/h/slow?delay=1.5", k)
     thread.join(10)
     assert second.status_code == 409
-    assert check_envelope(second.content)["error"]["code"] == "IDEMPOTENCY_IN_PROGRESS"
+    error = check_envelope(second.content)["error"]
+    assert (error["code"], error["outcome"], error["retry"]) == ("IDEMPOTENCY_IN_PROGRESS", "unknown", "same_idempotency_key")
     assert second.headers["affidavit-idempotency-key"] == k, "every answer about a keyed operation names its key"
     assert results["first"].status_code == 200
     assert len(sent(upstream)) == 1 and upstream.effects == 1
+
+
+def test_a_repeat_while_the_first_is_not_yet_dispatched_is_told_the_effect_is_unknown(make_broker, upstream):
+    """The first attempt has not crossed the dispatch boundary yet (it pauses before its
+    credential), but it will: the repeat's answer may not say `not_attempted`, which would have
+    the agent believe nothing will happen and try a new key (a second effect). It says `unknown`,
+    repeat with this same key, and lets an SDK's own retry loop do just that, after a second."""
+    broker = make_broker(routes=retry_routes(upstream), env={"AFFIDAVIT_FAILPOINTS": "before_credential=pause:2@1"})
+    k = key()
+    results: dict[str, httpx.Response] = {}
+
+    def first() -> None:
+        with broker.client() as client:
+            results["first"] = post(client, PAY + "/h/idem_honour?code=201", k)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not query(broker.database_url, f"SELECT 1 FROM invocations WHERE idempotency_key = '{k}'"):
+        assert time.monotonic() < deadline, "the first request's key was never bound"
+        time.sleep(0.05)
+    with broker.client() as client:
+        second = post(client, PAY + "/h/idem_honour?code=201", k)
+    assert sent(upstream) == [], "the first attempt was still before its dispatch"
+    thread.join(15)
+    assert second.status_code == 409, second.text
+    envelope = check_envelope(second.content)
+    error = envelope["error"]
+    assert (error["code"], error["phase"], error["outcome"], error["retry"]) == (
+        "IDEMPOTENCY_IN_PROGRESS", "validation", "unknown", "same_idempotency_key")
+    assert second.headers["affidavit-outcome"] == "unknown"
+    assert (second.headers["x-should-retry"], second.headers["retry-after"]) == ("true", "1")
+    assert envelope["invocation_id"] == results["first"].headers["affidavit-invocation-id"]
+    assert results["first"].status_code == 201 and upstream.effects_by_key == {k: 1}
+    with broker.client() as client:
+        again = post(client, PAY + "/h/idem_honour?code=201", k)  # what the answer advised
+    assert again.status_code == 201 and again.headers["affidavit-replayed"] == "true"
+    assert upstream.effects_by_key == {k: 1}
 
 
 @pytest.mark.parametrize(("behaviour", "effects"), [("idem_honour", 1), ("idem_ignore", 2), ("idem_strict", 1)])
