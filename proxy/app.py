@@ -67,6 +67,7 @@ def resolve_tokens(settings: Settings) -> tuple[dict[str, str], str | None]:
             problems.append(exc.message)
     if problems:
         raise ConfigError("cannot start; tokens unavailable:\n  " + "\n  ".join(problems))
+    _tokens_distinct(settings, tokens, operator)
     for i, agent in enumerate(settings.agents):
         if (odd := sorted(set(tokens[agent.name]) - _URL_SAFE)):
             # Taken as it is, but a proxy URL holding it raw breaks ('@', ':', '/', a space...).
@@ -75,6 +76,24 @@ def resolve_tokens(settings: Settings) -> tuple[dict[str, str], str | None]:
                         "must send it encoded in HTTPS_PROXY (`affidavit env --agent %s --token ...` prints it so), or "
                         "use a token of letters, digits, '-', '_', '.' and '~' only", i, agent.name, shown, agent.name)
     return tokens, operator
+
+
+def _tokens_distinct(settings: Settings, tokens: dict[str, str], operator: str | None) -> None:
+    """Each token names one holder. The side API knows its caller by the token alone, so a token
+    two agents share reads one agent's records as the other's, and an agent's token that is also
+    the operator's lists every agent's records and approves the agent's own held requests."""
+    holders: dict[str, list[str]] = {}
+    for i, agent in enumerate(settings.agents):
+        holders.setdefault(tokens[agent.name], []).append(f"agents[{i}].token (agent {agent.name!r})")
+    if operator is not None:
+        holders.setdefault(operator, []).append("api.operator_token")
+    shared = [names for names in holders.values() if len(names) > 1]
+    if shared:
+        raise ConfigError(
+            "cannot start; these tokens have the same value: " + "; ".join(" and ".join(names) for names in shared)
+            + ". A token is who its holder is to the side API: an agent could read another agent's records, or act "
+            "as the operator (list every record, approve its own held requests). Give each agent, and the operator, "
+            "a token of its own (`openssl rand -hex 32`).")
 
 
 _URL_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")

@@ -789,3 +789,27 @@ def test_config_given_before_the_command_is_the_commands_and_the_commands_own_wi
         assert done.returncode in (1, 2) and said in done.stderr, (args, done.stderr)
         assert "No such option" not in done.stderr and "no --config and no affidavit.toml" not in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["there.toml"], "nothing was created"
+
+
+@pytest.mark.parametrize("operator,reviewer,said", [
+    ("op-token-1234567890", "builder-token-12345", "agents[0].token (agent 'builder') and agents[1].token (agent 'reviewer')"),
+    ("builder-token-12345", "reviewer-token-1234", "agents[0].token (agent 'builder') and api.operator_token"),
+    ("op-token-1234567890", "op-token-1234567890", "agents[1].token (agent 'reviewer') and api.operator_token"),
+])
+def test_a_token_two_holders_share_stops_the_start(tmp_path, operator, reviewer, said):
+    """The side API knows its caller by the token alone: a token two agents share, or an agent's
+    that is also the operator's, would let an agent read another's records or approve its own
+    held requests. `affidavit run` refuses it, naming the keys and never the value."""
+    text = good(tmp_path) + '\n[[agents]]\nname = "reviewer"\ntoken = "env:REVIEWER_TOKEN"\n'
+    text = text.replace('[api]\n', '[api]\noperator_token = "env:OPERATOR_TOKEN"\n', 1)
+    config = write(tmp_path, text)
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")}
+    env.update(BUILDER_TOKEN="builder-token-12345", REVIEWER_TOKEN=reviewer, OPERATOR_TOKEN=operator,
+               PAYMENTS_KEY="sk_canary_value")
+    for workers in ("1", "2") if reviewer == operator else ("1",):  # the supervisor checks before any worker
+        done = subprocess.run([AFFIDAVIT, "run", "-c", str(config), "--workers", workers], capture_output=True, text=True,
+                              timeout=60, cwd=tmp_path, env=env)
+        assert done.returncode == 2, (workers, done.returncode, done.stderr[-2000:])
+        assert "these tokens have the same value: " + said in done.stderr, done.stderr
+        assert "builder-token-12345" not in done.stderr + done.stdout and "op-token" not in done.stderr + done.stdout
+        assert "listening" not in done.stdout
