@@ -449,18 +449,29 @@ def load_settings(path: Path | None = None, **overrides: Any) -> Settings:
     """Read ``path`` (if it exists or was asked for) and the environment; validate everything."""
     toml_path: Path | None = None
     if path is not None:
+        if path.is_dir():
+            raise ConfigError(f"{path}: a directory, not a configuration file (name the TOML file in it)")
         if not path.is_file():
             raise ConfigError(f"{path}: no such configuration file")
         toml_path = path
     elif DEFAULT_CONFIG.is_file():
         toml_path = DEFAULT_CONFIG
+    text = ""
     if toml_path is not None:
         try:
-            tomllib.loads(toml_path.read_text(encoding="utf-8"))
+            text = toml_path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            line = toml_path.read_bytes()[:exc.start].count(b"\n") + 1
+            raise ConfigError(f"{toml_path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} on line {line}); TOML "
+                              "files are UTF-8: save it as UTF-8") from None
+        except OSError as exc:
+            raise ConfigError(f"{toml_path}: cannot be read: {exc.strerror or exc}") from None
+        try:
+            tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{toml_path}: not valid TOML: {exc}") from None
     # Variables a source names ("env:AFFIDAVIT_SECRET__PAY") are values, not settings.
-    sources = (toml_path.read_text(encoding="utf-8") if toml_path else "") + " ".join(
+    sources = text + " ".join(
         v for k, v in os.environ.items() if k.upper().startswith("AFFIDAVIT_"))
     referenced = set(re.findall(r"env:([A-Za-z_][A-Za-z0-9_]*)", sources))
     typos = [name for name in os.environ if name.upper().startswith("AFFIDAVIT_") and "__" in name

@@ -813,3 +813,19 @@ def test_a_token_two_holders_share_stops_the_start(tmp_path, operator, reviewer,
         assert "these tokens have the same value: " + said in done.stderr, done.stderr
         assert "builder-token-12345" not in done.stderr + done.stdout and "op-token" not in done.stderr + done.stdout
         assert "listening" not in done.stdout
+
+
+def test_a_configuration_file_that_is_not_utf8_or_not_a_file_is_named_not_a_traceback(tmp_path):
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b'[proxy]\nlisten = "127.0.0.1:9090"\n[log]\nlevel = "caf\xe9"\n')
+    with pytest.raises(ConfigError) as refused:
+        load_settings(latin1)
+    assert str(refused.value) == (f"{latin1}: not UTF-8 text (byte 0xe9 on line 4); TOML files are UTF-8: save it as "
+                                  "UTF-8")
+    with pytest.raises(ConfigError, match="a directory, not a configuration file"):
+        load_settings(tmp_path)
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")}
+    for args in (["invocations", "list", "-c", str(latin1)], ["run", "-c", str(latin1)]):
+        done = subprocess.run([AFFIDAVIT, *args], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+        assert done.returncode == 2, (args, done.stderr[-2000:])
+        assert done.stderr == f"affidavit: {latin1}: not UTF-8 text (byte 0xe9 on line 4); TOML files are UTF-8: save it as UTF-8\n"
