@@ -19,7 +19,7 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
@@ -270,14 +270,26 @@ class BoundedHead(HttpToolsProtocol):
             super()._unsupported_upgrade_warning()
 
 
+def _text(value: str) -> str:
+    """Text the journal can keep: JSON's ``"\\ud800"`` reads as a lone UTF-16 surrogate, which is
+    no character and cannot be stored as UTF-8."""
+    if not value.isascii() and any("\ud800" <= c <= "\udfff" for c in value):
+        raise ValueError("holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is not text")
+    return value
+
+
+Note = Annotated[str, Field(max_length=2000), AfterValidator(_text)]
+Reference = Annotated[str, Field(max_length=500), AfterValidator(_text)]
+
+
 class ReconcileBody(BaseModel):
     """An operator's finding about an invocation's effect (or a request to look it up)."""
 
     model_config = ConfigDict(extra="forbid")
     outcome: Literal["committed", "rejected", "partial_effect"] | None = None
     certainty: Literal["operator_attested", "remote_query"] = "operator_attested"
-    reference: str | None = Field(default=None, max_length=500, description="the remote's id for the operation")
-    note: str | None = Field(default=None, max_length=2000)
+    reference: Reference | None = Field(default=None, description="the remote's id for the operation")
+    note: Note | None = None
     lookup: bool = Field(default=False, description="ask the remote through the route's declared lookup")
     override: bool = Field(default=False, description="the finding may change the outcome of a record that holds "
                                                       "the remote's complete answer")
@@ -286,7 +298,7 @@ class ReconcileBody(BaseModel):
 class DecisionBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     decision: Literal["approve", "deny"]
-    note: str | None = Field(default=None, max_length=2000)
+    note: Note | None = None
 
 
 def create_app(
@@ -337,10 +349,11 @@ def create_app(
         if (refused := await _token_refusal(request)) is not None:
             return refused
         # FastAPI's own 422, except that a NaN or an Infinity in the body (Python's JSON reader takes
-        # them, JSON has no such numbers) is echoed as the text it was, and so is a body it did not
-        # read as JSON (no JSON Content-Type) whose bytes are not UTF-8: encoding either failed the answer.
+        # them, JSON has no such numbers) or a lone surrogate is echoed as the text it was, and so is
+        # a body it did not read as JSON (no JSON Content-Type) whose bytes are not UTF-8: encoding
+        # any of them failed the answer.
         errors = jsonable_encoder(exc.errors(), custom_encoder={bytes: lambda b: b.decode("utf-8", "backslashreplace")})
-        return JSONResponse({"detail": _finite(errors)}, status_code=422)
+        return JSONResponse({"detail": _encodable(errors)}, status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -476,6 +489,9 @@ def create_app(
         fast = await reader.fetch(invocation_id) if reader is not None else None
         if fast is not None and fast["stage"] != Stage.DELIVERY_FAILED.value:
             if not who.operator and fast["agent"] != who.agent:
+                # The same reads as for an id that does not exist, so that the time of the 404
+                # does not tell that it does (docs/api.md: ids cannot be probed).
+                await queries.invocation_with_result(engine, invocation_id)
                 raise not_visible(invocation_id)
             return await replayed(invocation_id, {**fast, "invocation_id": invocation_id}, fast)
         row, stored = await queries.invocation_with_result(engine, invocation_id)
@@ -636,14 +652,18 @@ _NO_NUL = r"^[^\x00]*$"
 _INVOCATION_ID = r"^act_[0-9A-HJKMNP-TV-Z]{26}$"
 
 
-def _finite(value: Any) -> Any:
-    """``value`` with every NaN and infinity replaced by its JavaScript spelling, as text."""
+def _encodable(value: Any) -> Any:
+    """``value`` as JSON can carry it: every NaN and infinity replaced by its JavaScript spelling,
+    and a lone UTF-16 surrogate (``"\\ud800"`` in JSON, which Python's reader takes) by its
+    escape, both as text; in keys too."""
     if isinstance(value, float) and not math.isfinite(value):
         return json.dumps(value)  # 'NaN', 'Infinity', '-Infinity'
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8") if not value.isascii() else value
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
+        return {_encodable(k): _encodable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encodable(v) for v in value]
     return value
 
 

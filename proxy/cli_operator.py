@@ -417,7 +417,16 @@ def _caller(card: dict[str, Any]) -> str:
     return "gone (approval waits for a repeat)" if owner.get("stale") else "waiting"
 
 
+def _text_option(value: str | None, hint: str) -> None:
+    """Bytes that are not UTF-8 reach ``argv`` as lone surrogates (Python's surrogateescape):
+    no text the journal could keep, so refused here, before the broker is asked."""
+    if value is not None and any("\ud800" <= c <= "\udfff" for c in value):
+        raise typer.BadParameter("is not UTF-8 text (bytes in another encoding: is the terminal's locale UTF-8?)",
+                                 param_hint=hint)
+
+
 def _decide(config: Path | None, invocation_id: str, decision: str, note: str | None) -> None:
+    _text_option(note, "--note")
     settings = settings_or_exit(config)
     record = call_api(settings, "POST", f"/v1/approvals/{quote(invocation_id, safe='')}", {"decision": decision, "note": note})
     done = {"approve": "approved", "deny": "denied"}[decision]
@@ -449,6 +458,8 @@ def reconcile(
 ) -> None:
     """Append what is known about an invocation's effect; its original record stays as it was."""
     findings = [o.value for o in RECONCILABLE]
+    _text_option(reference, "--reference")
+    _text_option(note, "--note")
     if outcome is not None and outcome not in findings:
         raise typer.BadParameter(f"{outcome!r} is not a finding; one of: {', '.join(findings)} (a reconciliation "
                                  "says what happened, so never not_attempted or unknown)", param_hint="--outcome")

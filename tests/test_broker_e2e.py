@@ -15,6 +15,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -445,6 +446,28 @@ def test_side_api_isolates_agents_and_hides_unknown_ids(broker: BrokerProcess, u
         assert _seen(api.get("/openapi.json")).status_code == 200
 
 
+def test_another_agents_result_takes_as_long_to_refuse_as_an_id_that_does_not_exist(broker: BrokerProcess,
+                                                                                    upstream: HostileUpstream):
+    """docs/api.md: both get the same answer, so ids cannot be probed, and that includes its time.
+    The result's fast path found the row and refused at once, while an unknown id went on to a
+    second read: a 404 three times as fast said the id was real. Medians of interleaved requests
+    (a loaded machine moves single ones by milliseconds)."""
+    with broker.client() as client:
+        real = _seen(client.get(f"{PAYMENTS}/h/ok")).headers["affidavit-invocation-id"]
+    missing = "act_01M00000000000000000000000"
+    times: dict[str, list[float]] = {real: [], missing: []}
+    with broker.api(broker.agents["reviewer"].token) as api:
+        for _ in range(60):
+            for invocation_id in (real, missing):
+                started = time.perf_counter()
+                answer = api.get(f"/v1/invocations/{invocation_id}/result")
+                times[invocation_id].append(time.perf_counter() - started)
+                assert answer.status_code == 404, answer.text
+                assert answer.json()["detail"] == f"No invocation {invocation_id!r} is visible to this token."
+    ratio = statistics.median(times[real]) / statistics.median(times[missing])
+    assert 0.75 < ratio < 1.35, f"another agent's id answered in {ratio:.2f}x the time of an unknown one"
+
+
 def test_side_api_unknown_paths_and_methods_get_problem_documents(broker: BrokerProcess, upstream: HostileUpstream):
     """No redirect to another endpoint (``%2F`` decodes to a trailing slash), no bare
     ``{"detail": ...}``: the API's own errors are problem documents, token or not."""
@@ -544,6 +567,33 @@ def test_a_nan_or_infinity_in_a_body_gets_a_422(broker: BrokerProcess, upstream:
             for path in ("/v1/invocations/act_nope/reconcile", "/v1/approvals/act_nope"):
                 answer = _seen(api.post(path, content=b"\xc3\x28", headers={"Content-Type": content_type} if content_type else {}))
                 assert answer.status_code == 422 and answer.json()["detail"][0]["loc"][0] == "body", (path, answer.text)
+    _no_traceback_since(broker, offset)
+
+
+def test_a_lone_surrogate_in_a_body_gets_a_422_naming_it(broker: BrokerProcess, upstream: HostileUpstream):
+    """JSON's "\\ud800" reads as half a character: in a note it could not be stored, and echoed
+    in a 422 it could not be encoded; either was a 500 with a traceback in the log."""
+    offset = len(broker.logs())
+    headers = {"Content-Type": "application/json"}
+    with broker.client() as client:
+        invocation_id = _seen(client.get("http://plain.example.test/h/ok")).headers["affidavit-invocation-id"]
+    with broker.operator() as api:
+        for path, body, field in (
+            (f"/v1/invocations/{invocation_id}/reconcile", b'{"outcome": "committed", "note": "x\\ud800"}', "note"),
+            (f"/v1/invocations/{invocation_id}/reconcile", b'{"outcome": "committed", "reference": "\\udfff"}', "reference"),
+            ("/v1/approvals/act_nope", b'{"decision": "deny", "note": "\\ud800"}', "note"),
+            ("/v1/approvals/act_nope", b'{"decision": "\\ud800"}', "decision"),
+            (f"/v1/invocations/{invocation_id}/reconcile", b'{"outcome": "\\ud800"}', "outcome"),
+            (f"/v1/invocations/{invocation_id}/reconcile", b'{"\\ud800": 1}', None),  # a key: the body is not text
+        ):
+            answer = _seen(api.post(path, content=body, headers=headers))
+            assert answer.status_code == 422, (body, answer.status_code, answer.text)
+            [problem] = answer.json()["detail"]
+            assert problem["loc"] == ["body", field] if field else ["body"], problem
+        assert "\\ud800" in answer.text  # echoed as the escape it was
+        paired = _seen(api.post(f"/v1/invocations/{invocation_id}/reconcile", headers=headers,
+                                content=b'{"outcome": "committed", "note": "ok \\ud83d\\ude00"}'))
+        assert paired.status_code in (200, 409), paired.text  # a whole character is text: past validation
     _no_traceback_since(broker, offset)
 
 

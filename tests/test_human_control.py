@@ -135,6 +135,14 @@ def test_the_cli_refuses_a_finding_that_is_none_before_it_asks_the_broker(broker
         err = " ".join(re.sub("[\u2500-\u257f]", " ", done.stderr.decode()).split())  # rich's box, unwrapped
         assert done.returncode == 2 and says in err and "committed, rejected, partial_effect" in err, err
         assert "literal_error" not in err and "lookup=true" not in err, err
+    # Bytes that are not UTF-8 (a Latin-1 terminal) are no text the journal can keep: a usage
+    # error, not the broker's 500 (or 422) for a lone surrogate.
+    for args in (["reconcile", "act_01M8TRTD8RSQZTD7JJN9HZ5237", "--outcome", "committed", "--note", b"caf\xe9"],
+                 ["reconcile", "act_01M8TRTD8RSQZTD7JJN9HZ5237", "--outcome", "committed", "--reference", b"\xff"],
+                 ["approvals", "deny", "act_01M8TRTD8RSQZTD7JJN9HZ5237", "--note", b"caf\xe9"]):
+        done = broker.command(*args)
+        err = " ".join(re.sub("[\u2500-\u257f]", " ", done.stderr.decode()).split())
+        assert done.returncode == 2 and "is not UTF-8 text" in err and "from the broker" not in err, (args, err)
     # Both an outcome and --lookup: which one would decide? Neither is dropped silently.
     done = broker.command("reconcile", "act_01M8TRTD8RSQZTD7JJN9HZ5237", "--outcome", "committed", "--lookup")
     err = " ".join(re.sub("[\u2500-\u257f]", " ", done.stderr.decode()).split())
