@@ -197,10 +197,14 @@ class BoundedHead(HttpToolsProtocol):
     before it reads (most do) then finds the answer, where closing on unread bytes would have made
     the kernel answer with a reset instead."""
 
+    #: ``[api] request_timeout``: how long a request may take to arrive, from its first byte
+    #: (:func:`bounded_head` makes the class that serves with the configured one).
+    request_timeout = 30.0
     _head_bytes = 0
     _body_bytes = 0
     _in_head = True
     _refused = False
+    _deadline: asyncio.TimerHandle | None = None
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -259,15 +263,55 @@ class BoundedHead(HttpToolsProtocol):
             return
         super().on_body(body)
 
+    def on_message_begin(self) -> None:
+        if self._deadline is None:  # a request's first byte (also one read with the request before it)
+            self._deadline = asyncio.get_running_loop().call_later(self.request_timeout, self._too_slow)
+        super().on_message_begin()
+
     def on_message_complete(self) -> None:
         if self._refused:
             return
+        self._stop_the_clock()
         self._in_head, self._head_bytes = True, 0  # the next request's head, if any
         super().on_message_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_the_clock()
+        super().connection_lost(exc)
+
+    def _stop_the_clock(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _too_slow(self) -> None:
+        """The request did not arrive whole in time (a client trickling it, or one that stopped
+        half-way): a 408, and the connection is closed, so no client holds one open for ever."""
+        self._deadline = None
+        if self._refused or self.transport.is_closing():
+            return
+        if self._in_head and self.cycle is not None and not self.cycle.response_complete:
+            # A request pipelined behind one whose answer is still on its way: its clock waits.
+            self._deadline = asyncio.get_running_loop().call_later(self.request_timeout, self._too_slow)
+            return
+        if not self._in_head and self.cycle is not None:  # the app waits for the rest of the body: it left
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+            self.flow.resume_reading()
+        log.warning("side API: a request from %s did not arrive whole within %gs of its first byte; answered 408 "
+                    "and closed", (self.client or ("?",))[0], self.request_timeout)
+        self._refuse(408, "Request Timeout", f"The request did not arrive whole within {self.request_timeout:g}s of "
+                     "its first byte ([api] request_timeout); nothing was read or changed. Send the whole request "
+                     "at once.")
 
     def _unsupported_upgrade_warning(self) -> None:
         if not self._refused:  # a refused CONNECT (an upgrade to llhttp) was answered, not unsupported
             super()._unsupported_upgrade_warning()
+
+
+def bounded_head(request_timeout: float) -> type[BoundedHead]:
+    """:class:`BoundedHead` with ``[api] request_timeout``, for uvicorn (which takes a class)."""
+    return type("BoundedHead", (BoundedHead,), {"request_timeout": request_timeout})
 
 
 def _text(value: str) -> str:

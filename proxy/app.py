@@ -25,7 +25,7 @@ from ulid import ULID
 
 from . import logs
 from .addon import AgentAuth, BrokerAddon, install_caller_watch, install_core_refusals
-from .api import BoundedHead, create_app
+from .api import bounded_head, create_app
 from .broker import Broker
 from .config import ConfigError, Settings, parse_listen, redact_url
 from .credentials import CredentialUnavailable, Credentials, read_source
@@ -261,7 +261,7 @@ async def serve(
             create_app(engine, tokens, operator, journal, broker, reader, lambda: recovery.heartbeat_failing),
             log_config=None,
             access_log=False,
-            http=BoundedHead,
+            http=bounded_head(settings.api.request_timeout),
             lifespan="off",
             loop="none",
             server_header=False,

@@ -146,6 +146,8 @@ class ProxySection(_Section):
 class ApiSection(_Section):
     listen: Listen = "127.0.0.1:8081"
     operator_token: SecretSource | None = None
+    #: How long one request (line, headers and body) may take to arrive, from its first byte.
+    request_timeout: Duration = 30.0
 
 
 class DatabaseSection(_Section):

@@ -769,6 +769,50 @@ def test_an_oversized_api_request_head_is_refused_and_the_connection_closed(brok
     _no_traceback_since(broker, offset)
 
 
+def test_an_api_request_that_does_not_arrive_in_time_gets_a_408_and_a_close(make_broker, upstream: HostileUpstream):
+    """A client that trickles a head, stops half-way through it, or declares a body and sends
+    part of it, held a side-API connection open for good (uvicorn has no such clock): now each
+    request must arrive whole within [api] request_timeout of its first byte."""
+    broker = make_broker(api={"request_timeout": "1s"})
+    port = int(broker.api_url.rsplit(":", 1)[1])
+    token = b"Authorization: Bearer " + broker.operator_token.encode() + b"\r\n"
+    cases = {
+        "trickled head": [b"GET /healthz HTTP/1.1\r\n"] + [b"X-A: b\r\n"] * 20,
+        "half a head": [b"GET /healthz HTTP/1.1\r\nHost: x\r\n"],
+        "half a body": [b"POST /v1/approvals/act_nope HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + token
+                        + b"Content-Length: 100\r\n\r\n{"],
+        "after a served request": [b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /healthz HTTP/1.1\r\n"],
+    }
+    for name, parts in cases.items():
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            started = time.monotonic()
+            for part in parts:
+                sock.sendall(part)
+                time.sleep(0.2 if len(parts) > 1 else 0)
+                if sock.recv(65536, socket.MSG_PEEK | socket.MSG_DONTWAIT) if _readable(sock) else b"":
+                    break  # answered: stop trickling
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+            took = time.monotonic() - started
+        last = answer[answer.rfind(b"HTTP/1.1 "):]
+        head, _, body = last.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower(), (name, answer[:400])
+        assert json.loads(body)["status"] == 408 and "request_timeout" in json.loads(body)["detail"], body
+        assert 0.9 < took < 4, (name, took)
+        if name == "after a served request":
+            assert answer.startswith(b"HTTP/1.1 200"), "the first request was served as usual"
+    assert "did not arrive whole within 1s of its first byte" in broker.logs()
+    with broker.operator() as api:  # served on, and a request that arrives at once is untouched by the clock
+        assert _seen(api.get("/v1/approvals")).status_code == 200
+
+
+def _readable(sock: socket.socket) -> bool:
+    import select
+
+    return bool(select.select([sock], [], [], 0)[0])
+
+
 def test_the_schema_declares_every_answer_the_side_api_gives(broker: BrokerProcess, upstream: HostileUpstream):
     """What schemathesis checks: each answer's status, and its media type, are in /openapi.json."""
     with broker.client() as client:
