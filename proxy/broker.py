@@ -1368,9 +1368,16 @@ class Broker:
             pause = min(pause * 2, 30.0)
             if time.monotonic() > patience:
                 patience = math.inf
-                log.warning("invocation %s: its record is still not closed (the journal does not take the write); it "
-                            "says the request is in flight until it is. The broker keeps trying while it runs; if it "
-                            "stops first, recovery closes the record at the next start", invocation_id)
+                if refused.durable:
+                    log.warning("invocation %s: its record is still not closed (the journal does not take the write); "
+                                "it says the request is in flight until it is. The broker keeps trying while it runs; "
+                                "if it stops first, recovery closes the record at the next start", invocation_id)
+                else:  # its first write was the one refused: the journal may hold nothing of it
+                    log.warning("invocation %s: the journal still does not answer, so the broker cannot tell whether "
+                                "its refused first write landed (the agent was told none was recorded, and nothing "
+                                "was sent). If it did, the record says the request is in flight until the broker "
+                                "closes it; it keeps trying while it runs, and recovery closes it at the next start",
+                                invocation_id)
             try:
                 row = await queries.invocation(self.journal.engine, invocation_id)
                 if row is None:

@@ -392,6 +392,28 @@ def test_an_unreachable_journal_fails_closed_and_the_broker_serves_again_when_it
     assert "journal write failed" not in broker.logs().split("could not be checked against the journal")[-1]
 
 
+def test_a_request_refused_with_no_record_is_not_logged_as_a_record_in_flight(relayed_pg, make_broker, upstream):
+    """The agent was told no invocation was recorded (its first write was the one refused); a
+    long outage's warning about it may not say "its record ... says the request is in flight",
+    which sends an operator looking for a record the journal most likely never got."""
+    url, relay = relayed_pg
+    broker = make_broker(routes=crash_routes(upstream), db_url=url, **{"upstream": {"result_horizon": "1s"}})
+    with broker.client() as client:
+        assert client.post(CRASH + "/h/ok", content=b"{}").status_code == 200
+        relay.cut()
+        refused = client.post(CRASH + "/h/ok", content=b"{}")
+    assert refused.status_code == 503 and check_envelope(refused.content)["invocation_id"] is None, refused.text
+    deadline = time.monotonic() + 20
+    while "still does not answer" not in broker.logs():
+        assert time.monotonic() < deadline, broker.logs()[-3000:]
+        time.sleep(0.3)
+    relay.restore()
+    [line] = [line for line in broker.logs().splitlines() if "still does not answer" in line]
+    assert "cannot tell whether its refused first write landed" in line and "nothing was sent" in line, line
+    assert "its record is still not closed" not in broker.logs()
+    assert upstream.effects == 1
+
+
 def test_an_outage_under_load_is_a_few_log_lines_not_one_per_failed_batch(relayed_pg, make_broker, upstream):
     """Every request refused in an outage is a failed batch; a busy broker fails dozens a second.
     The first is logged whole, the rest are counted into one line per 10 s, and the recovery line
