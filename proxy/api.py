@@ -365,6 +365,7 @@ def create_app(
         # load their scripts from a CDN. The schema stays at /openapi.json (docs/api.md).
         docs_url=None,
         redoc_url=None,
+        dependencies=[Depends(_each_once)],
     )
     app.add_middleware(BodyLimit)
     tokens = {token.encode(): name for name, token in agent_tokens.items()}
@@ -694,6 +695,40 @@ def create_app(
 _NO_NUL = r"^[^\x00]*$"
 #: What the broker names invocations: ``act_`` and a ULID (Crockford base32, 26 characters).
 _INVOCATION_ID = r"^act_[0-9A-HJKMNP-TV-Z]{26}$"
+
+
+class _Repeated(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _Repeated(key)
+        seen[key] = value
+    return seen
+
+
+async def _each_once(request: Request) -> None:
+    """A query parameter or a JSON key given twice is a 422: FastAPI would keep one of them
+    without a word (``{"decision": "approve", "decision": "deny"}`` is a denial to the broker,
+    and an approval to a reader who stops at the first)."""
+    names = [name for name, _ in request.query_params.multi_items()]
+    problems = [{"type": "repeated", "loc": ["query", name], "msg": "given more than once; give it once",
+                 "input": None} for name in sorted({n for n in names if names.count(n) > 1})]
+    if request.method == "POST" and "json" in request.headers.get("content-type", "").lower():
+        try:
+            json.loads(await request.body(), object_pairs_hook=_no_repeated_keys)
+        except _Repeated as exc:
+            problems.append({"type": "repeated", "loc": ["body", exc.key], "msg": "given more than once; give it once",
+                             "input": None})
+        except (ValueError, RecursionError):
+            pass  # not JSON at all, or nested too deeply: FastAPI's own reading says so
+    if problems:
+        raise RequestValidationError(problems)
 
 
 def _encodable(value: Any) -> Any:

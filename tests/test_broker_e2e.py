@@ -597,6 +597,30 @@ def test_a_lone_surrogate_in_a_body_gets_a_422_naming_it(broker: BrokerProcess, 
     _no_traceback_since(broker, offset)
 
 
+def test_a_key_or_parameter_given_twice_is_a_422_not_one_of_them_chosen(broker: BrokerProcess, upstream: HostileUpstream):
+    """{"decision": "approve", "decision": "deny"} was a denial to the broker and reads as an
+    approval to whoever stops at the first; ?outcome=unknown&outcome=committed listed only the
+    committed ones. Each is refused, naming what was repeated; nothing is changed."""
+    headers = {"Content-Type": "application/json"}
+    with broker.operator() as api:
+        for path, body, key in (
+            ("/v1/approvals/act_nope", b'{"decision": "approve", "decision": "deny"}', "decision"),
+            ("/v1/invocations/act_nope/reconcile", b'{"outcome": "committed", "note": "a", "note": "b"}', "note"),
+        ):
+            answer = _seen(api.post(path, content=body, headers=headers))
+            assert answer.status_code == 422, answer.text
+            assert [(p["loc"], p["msg"]) for p in answer.json()["detail"]] == [(["body", key], "given more than once; give it once")]
+        listing = _seen(api.get("/v1/invocations?outcome=unknown&outcome=committed&limit=5&limit=6"))
+        assert listing.status_code == 422, listing.text
+        assert [p["loc"] for p in listing.json()["detail"]] == [["query", "limit"], ["query", "outcome"]]
+        assert _seen(api.get("/v1/invocations?outcome=unknown&limit=5")).status_code == 200
+        deep = _seen(api.post("/v1/approvals/act_nope", content=b"[" * 5000 + b"]" * 5000, headers=headers))
+        assert deep.status_code == 400, deep.text  # FastAPI's own answer for a body it cannot read, as before
+    with broker.api("not-a-token") as api:  # a caller without a token learns nothing about its body
+        assert _seen(api.post("/v1/approvals/act_nope", content=b'{"decision": "approve", "decision": "deny"}',
+                              headers=headers)).status_code == 401
+
+
 @pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
 def test_the_broker_serves_on_uvloop_by_default_and_on_asyncio_when_told(make_broker, upstream: HostileUpstream,
                                                                         event_loop: str):
