@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .contract import TRANSITIONS, EventKind, IllegalTransition, Outcome, Record, Stage, contradicted_answer, project
+from .contract import (TRANSITIONS, EventKind, IllegalTransition, Outcome, Record, Stage, classify_status,
+                       contradicted_answer, project)
 from .invocation_log import InvocationLog, identity_of
 from .store import queries
 from .store.journal import Journal, LeaseLost
@@ -113,9 +114,10 @@ async def reconcile(
         refuse_unreconcilable(row, record)
         overturned = contradicted_answer(record, outcome)
         if overturned is not None and not override:
-            if record.reconciled_outcome is None:
-                held = (f"the remote's complete answer (status {record.status}) says {overturned.value}, and a finding "
-                        f"of {outcome.value} would overturn it")
+            if record.reconciled_outcome is None or overturned is classify_status(record.status):
+                agreed = " (as an earlier finding does)" if record.reconciled_outcome is not None else ""
+                held = (f"the remote's complete answer (status {record.status}) says {overturned.value}{agreed}, and a "
+                        f"finding of {outcome.value} would overturn it")
             else:
                 held = (f"an earlier finding set the outcome to {overturned.value} against the remote's complete answer "
                         f"(status {record.status}), and a finding of {outcome.value} would overturn that finding")

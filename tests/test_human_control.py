@@ -205,7 +205,13 @@ def test_a_finding_against_a_complete_response_is_refused_unless_it_says_overrid
         assert back.status_code == 409, back.text
         assert ("an earlier finding set the outcome to rejected against the remote's complete answer (status 200), and a "
                 "finding of committed would overturn that finding." in back.json()["detail"]), back.text
-    assert broker.invocation(invocation_id, broker.operator_token)["outcome"] == "rejected"
+        assert broker.invocation(invocation_id, broker.operator_token)["outcome"] == "rejected"
+        # A finding that goes back to what the answer said is no finding "against" the answer.
+        assert api.post(f"/v1/invocations/{invocation_id}/reconcile", json={"outcome": "committed", "override": True}).status_code == 200
+        again = api.post(f"/v1/invocations/{invocation_id}/reconcile", json={"outcome": "rejected"})
+        assert again.status_code == 409, again.text
+        assert ("the remote's complete answer (status 200) says committed (as an earlier finding does), and a finding "
+                "of rejected would overturn it." in again.json()["detail"]), again.text
 
 
 def test_reconcile_by_lookup_asks_the_remote_through_the_broker(broker, upstream):
