@@ -304,6 +304,12 @@ class BoundedHead(HttpToolsProtocol):
                      "its first byte ([api] request_timeout); nothing was read or changed. Send the whole request "
                      "at once.")
 
+    def send_400_response(self, msg: str) -> None:
+        """A request that is not HTTP/1.1 at all (uvicorn's own answer is a line of plain text)."""
+        self._refuse(400, "Bad Request", "The request is not valid HTTP/1.1 (its request line, a header or its "
+                     "framing could not be parsed); nothing was read or changed. Send the request docs/api.md "
+                     "describes.")
+
     def _unsupported_upgrade_warning(self) -> None:
         if not self._refused:  # a refused CONNECT (an upgrade to llhttp) was answered, not unsupported
             super()._unsupported_upgrade_warning()

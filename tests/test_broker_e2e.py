@@ -837,6 +837,20 @@ def _readable(sock: socket.socket) -> bool:
     return bool(select.select([sock], [], [], 0)[0])
 
 
+@pytest.mark.parametrize("request_bytes", [
+    "GET /v1/caf\u00e9 HTTP/1.1\r\nHost: x\r\n\r\n".encode(),
+    b"get /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"POST /v1/approvals/act_nope HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    b"POST /v1/approvals/act_nope HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n{}",
+], ids=["raw-utf8-path", "lowercase-method", "negative-length", "length-and-chunked"])
+def test_a_request_that_is_not_http_gets_a_problem_document(broker: BrokerProcess, upstream: HostileUpstream, request_bytes):
+    answer = _api_raw(broker, [request_bytes])
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/problem+json" in head.lower(), answer[:300]
+    assert b"connection: close" in head.lower()
+    assert "not valid HTTP/1.1" in json.loads(body)["detail"], body
+
+
 def test_the_schema_declares_every_answer_the_side_api_gives(broker: BrokerProcess, upstream: HostileUpstream):
     """What schemathesis checks: each answer's status, and its media type, are in /openapi.json."""
     with broker.client() as client:
