@@ -34,6 +34,19 @@ ConfigOption = Annotated[
     typer.Option("--config", "-c", envvar="AFFIDAVIT_CONFIG", help="TOML configuration file (default ./affidavit.toml)."),
 ]
 
+
+
+def _utf8(value: str | None) -> str | None:
+    """Bytes that are not UTF-8 reach ``argv`` as lone surrogates (Python's surrogateescape):
+    no id or text the journal could hold, so a usage error before anything is asked."""
+    if value is not None and any("\ud800" <= c <= "\udfff" for c in value):
+        raise typer.BadParameter("is not UTF-8 text (bytes in another encoding: is the terminal's locale UTF-8?)")
+    return value
+
+
+InvocationId = Annotated[str, typer.Argument(callback=_utf8, help="The invocation's id (act_...).")]
+NoteOption = Annotated[Optional[str], typer.Option(callback=_utf8, help="Why, for the record.")]
+
 invocations_app = typer.Typer(help="Recorded invocations, straight from the journal.", no_args_is_help=True)
 console = Console()
 
@@ -215,7 +228,7 @@ def _unknown_route_notice(settings: Settings, route: str | None) -> None:
 
 
 @invocations_app.command("show")
-def invocations_show(invocation_id: str, config: ConfigOption = None) -> None:
+def invocations_show(invocation_id: InvocationId, config: ConfigOption = None) -> None:
     """One invocation's whole record, as the side API shows it to the operator (JSON)."""
     settings = settings_or_exit(config)
 
@@ -242,7 +255,7 @@ def invocations_show(invocation_id: str, config: ConfigOption = None) -> None:
 
 @invocations_app.command("result")
 def invocations_result(
-    invocation_id: str,
+    invocation_id: InvocationId,
     config: ConfigOption = None,
     headers: Annotated[bool, typer.Option(help="Print the status line and headers too.")] = False,
 ) -> None:
@@ -417,16 +430,7 @@ def _caller(card: dict[str, Any]) -> str:
     return "gone (approval waits for a repeat)" if owner.get("stale") else "waiting"
 
 
-def _text_option(value: str | None, hint: str) -> None:
-    """Bytes that are not UTF-8 reach ``argv`` as lone surrogates (Python's surrogateescape):
-    no text the journal could keep, so refused here, before the broker is asked."""
-    if value is not None and any("\ud800" <= c <= "\udfff" for c in value):
-        raise typer.BadParameter("is not UTF-8 text (bytes in another encoding: is the terminal's locale UTF-8?)",
-                                 param_hint=hint)
-
-
 def _decide(config: Path | None, invocation_id: str, decision: str, note: str | None) -> None:
-    _text_option(note, "--note")
     settings = settings_or_exit(config)
     record = call_api(settings, "POST", f"/v1/approvals/{quote(invocation_id, safe='')}", {"decision": decision, "note": note})
     done = {"approve": "approved", "deny": "denied"}[decision]
@@ -434,23 +438,23 @@ def _decide(config: Path | None, invocation_id: str, decision: str, note: str | 
 
 
 @approvals_app.command("approve")
-def approvals_approve(invocation_id: str, config: ConfigOption = None, note: Optional[str] = None) -> None:
+def approvals_approve(invocation_id: InvocationId, config: ConfigOption = None, note: NoteOption = None) -> None:
     """Approve exactly the request on the card (one attempt, this fingerprint)."""
     _decide(config, invocation_id, "approve", note)
 
 
 @approvals_app.command("deny")
-def approvals_deny(invocation_id: str, config: ConfigOption = None, note: Optional[str] = None) -> None:
+def approvals_deny(invocation_id: InvocationId, config: ConfigOption = None, note: NoteOption = None) -> None:
     """Deny a held request: nothing is sent, no secret is touched."""
     _decide(config, invocation_id, "deny", note)
 
 
 def reconcile(
-    invocation_id: str,
+    invocation_id: InvocationId,
     config: ConfigOption = None,
     outcome: Annotated[Optional[str], typer.Option(help="committed, rejected or partial_effect")] = None,
-    reference: Annotated[Optional[str], typer.Option(help="The remote's id for the operation.")] = None,
-    note: Optional[str] = None,
+    reference: Annotated[Optional[str], typer.Option(help="The remote's id for the operation.", callback=_utf8)] = None,
+    note: NoteOption = None,
     lookup: Annotated[bool, typer.Option("--lookup", help="Ask the remote through the route's declared lookup.")] = False,
     override: Annotated[bool, typer.Option(
         "--override", help="The finding changes the outcome of a record that holds the remote's complete answer "
@@ -458,8 +462,6 @@ def reconcile(
 ) -> None:
     """Append what is known about an invocation's effect; its original record stays as it was."""
     findings = [o.value for o in RECONCILABLE]
-    _text_option(reference, "--reference")
-    _text_option(note, "--note")
     if outcome is not None and outcome not in findings:
         raise typer.BadParameter(f"{outcome!r} is not a finding; one of: {', '.join(findings)} (a reconciliation "
                                  "says what happened, so never not_attempted or unknown)", param_hint="--outcome")

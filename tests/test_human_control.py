@@ -139,10 +139,13 @@ def test_the_cli_refuses_a_finding_that_is_none_before_it_asks_the_broker(broker
     # error, not the broker's 500 (or 422) for a lone surrogate.
     for args in (["reconcile", "act_01M8TRTD8RSQZTD7JJN9HZ5237", "--outcome", "committed", "--note", b"caf\xe9"],
                  ["reconcile", "act_01M8TRTD8RSQZTD7JJN9HZ5237", "--outcome", "committed", "--reference", b"\xff"],
-                 ["approvals", "deny", "act_01M8TRTD8RSQZTD7JJN9HZ5237", "--note", b"caf\xe9"]):
+                 ["approvals", "deny", "act_01M8TRTD8RSQZTD7JJN9HZ5237", "--note", b"caf\xe9"],
+                 ["approvals", "approve", b"act_\xff"], ["reconcile", b"act_\xff", "--outcome", "committed"],
+                 ["invocations", "show", b"act_\xff"], ["invocations", "result", b"act_\xff"]):
         done = broker.command(*args)
         err = " ".join(re.sub("[\u2500-\u257f]", " ", done.stderr.decode()).split())
         assert done.returncode == 2 and "is not UTF-8 text" in err and "from the broker" not in err, (args, err)
+        assert "Traceback" not in err and "journal could not be read" not in err, (args, err)
     # Both an outcome and --lookup: which one would decide? Neither is dropped silently.
     done = broker.command("reconcile", "act_01M8TRTD8RSQZTD7JJN9HZ5237", "--outcome", "committed", "--lookup")
     err = " ".join(re.sub("[\u2500-\u257f]", " ", done.stderr.decode()).split())
