@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# No `*_created` gauge beside each counter and histogram (the time the series began, one more
+# series per label set): Prometheus does not need it, and docs/api.md lists what is exposed.
+disable_created_metrics()
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 

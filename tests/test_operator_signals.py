@@ -237,6 +237,8 @@ def test_metrics_count_known_traffic_with_bounded_labels(make_broker, upstream: 
     assert single(families, "affidavit_dispatch_record_seconds", "affidavit_dispatch_record_seconds_sum") > 0
 
     assert_bounded_labels(text, families)
+    assert not [s.name for f in families.values() for s in f.samples if s.name.endswith("_created")], \
+        "only what docs/api.md lists: no *_created series"
 
 
 def _rejected_on_one_connection(broker: BrokerProcess, source: str, token: str, attempts: int) -> tuple[list[bytes], bool]:
