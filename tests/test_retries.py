@@ -71,6 +71,19 @@ def post(client: httpx.Client, url: str, idem: str | None, body: bytes = b'{"amo
     return client.post(url, content=body, headers=headers)
 
 
+def post_in_background(broker: BrokerProcess, url: str, idem: str) -> tuple[threading.Thread, dict[str, httpx.Response]]:
+    """``post`` from a thread, started; its answer lands under ``"first"`` once the thread ends."""
+    results: dict[str, httpx.Response] = {}
+
+    def send() -> None:
+        with broker.client() as client:
+            results["first"] = post(client, url, idem)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread, results
+
+
 def sent(up: HostileUpstream) -> list:
     return [r for r in up.received if r.method]
 
@@ -154,14 +167,7 @@ def test_a_request_refused_before_its_key_is_bound_leaves_the_key_free(broker, u
 
 def test_a_repeat_while_in_flight_gets_409_and_sends_nothing(broker, upstream):
     k = key()
-    results: dict[str, httpx.Response] = {}
-
-    def slow() -> None:
-        with broker.client() as client:
-            results["first"] = post(client, PAY + "/h/slow?delay=1.5", k)
-
-    thread = threading.Thread(target=slow)
-    thread.start()
+    thread, results = post_in_background(broker, PAY + "/h/slow?delay=1.5", k)
     upstream.wait_for_requests(1, timeout=5)
     with broker.client() as client:
         second = post(client, PAY + "/h/slow?delay=1.5", k)
@@ -181,14 +187,7 @@ def test_a_repeat_while_the_first_is_not_yet_dispatched_is_told_the_effect_is_un
     repeat with this same key, and lets an SDK's own retry loop do just that, after a second."""
     broker = make_broker(routes=retry_routes(upstream), env={"AFFIDAVIT_FAILPOINTS": "before_credential=pause:2@1"})
     k = key()
-    results: dict[str, httpx.Response] = {}
-
-    def first() -> None:
-        with broker.client() as client:
-            results["first"] = post(client, PAY + "/h/idem_honour?code=201", k)
-
-    thread = threading.Thread(target=first)
-    thread.start()
+    thread, results = post_in_background(broker, PAY + "/h/idem_honour?code=201", k)
     deadline = time.monotonic() + 10
     while not query(broker.database_url, f"SELECT 1 FROM invocations WHERE idempotency_key = '{k}'"):
         assert time.monotonic() < deadline, "the first request's key was never bound"
