@@ -453,8 +453,10 @@ def load_settings(path: Path | None = None, **overrides: Any) -> Settings:
     if path is not None:
         if path.is_dir():
             raise ConfigError(f"{path}: a directory, not a configuration file (name the TOML file in it)")
-        if not path.is_file():
+        if not path.exists():
             raise ConfigError(f"{path}: no such configuration file")
+        if not (path.is_file() or path.is_char_device()):  # /dev/null: no settings but the defaults and AFFIDAVIT_*
+            raise ConfigError(f"{path}: not a regular file (a FIFO or a socket?); name the TOML file itself")
         toml_path = path
     elif DEFAULT_CONFIG.is_file():
         toml_path = DEFAULT_CONFIG

@@ -824,6 +824,7 @@ def test_a_configuration_file_that_is_not_utf8_or_not_a_file_is_named_not_a_trac
                                   "UTF-8")
     with pytest.raises(ConfigError, match="a directory, not a configuration file"):
         load_settings(tmp_path)
+    assert load_settings(Path("/dev/null")).proxy.listen == "127.0.0.1:8080", "an empty file: the defaults"
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")}
     for args in (["invocations", "list", "-c", str(latin1)], ["run", "-c", str(latin1)]):
         done = subprocess.run([AFFIDAVIT, *args], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
