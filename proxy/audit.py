@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import json
 import os
 from collections import defaultdict
@@ -67,14 +68,14 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import LargeBinary, String, and_, cast, distinct, func, inspect, not_, or_, select
+from sqlalchemy import LargeBinary, String, and_, cast, distinct, exists, func, inspect, not_, or_, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
 from .store.journal import GENESIS, brief, canonical_time, chain_hash
 from .store.migrate import connect_args
-from .store.schema import events, invocations as invocations_table
+from .store.schema import events, invocations as invocations_table, results as results_table
 from .store.vault_schema import (
     CHECKPOINT_EVERY_EVENTS,
     CHECKPOINT_EVERY_SECONDS,
@@ -674,15 +675,79 @@ async def _verify_live(url: str, extra: list[Row]) -> AuditResult:
             events=walk.events, writers=len(walk.writers), invocations=invocations,
             checkpoints=len({(str(m["writer"]), int(m["writer_seq"]), str(m["hash"])) for m in marks}),
         )
+        beyond = [*await _records_without_events(conn, tables, raw), *await _results_not_chained(conn, tables, raw)]
         if not walk.flagged and not flagged_invocations:
+            result.breaks.extend(beyond)
             return result
         # The damaged part: the flagged chains whole, and every row of the invocations they
         # hold events of, and of the flagged invocations (for their seqs and to name a deleted row).
         chains = await _rows_where(conn, raw, "writer", walk.flagged, walk.odd["writer"])
         wanted = {r["invocation_id"] for r in chains} | flagged_invocations | set(walk.odd["invocation_id"])
         others = await _rows_where(conn, raw, "invocation_id", wanted, walk.odd["invocation_id"], but=walk.flagged)
-    result.breaks = verify([*chains, *others], marks, writers=walk.flagged).breaks
+    result.breaks = [*verify([*chains, *others], marks, writers=walk.flagged).breaks, *beyond]
     return result
+
+
+#: How many invocations a finding about many names before it says "and N more".
+_NAMED = 5
+
+
+def _named(ids: list[str]) -> str:
+    return ", ".join(ids[:_NAMED]) + (f" and {len(ids) - _NAMED} more" if len(ids) > _NAMED else "")
+
+
+async def _records_without_events(conn: AsyncConnection, tables: set[str], raw: bool) -> list[Break]:
+    """Invocation rows with no event left. Every record starts with an event, written in the
+    same transaction as the row, so their events were removed: with a whole chain and its
+    checkpoints deleted, the chains that are left verify, and only this shows the loss."""
+    if "invocations" not in tables:
+        return []
+    inv = invocations_table.c.invocation_id
+    query = select(cast(inv, LargeBinary) if raw else inv).where(~exists().where(events.c.invocation_id == inv)).order_by(inv)
+    ids = [bytes(i).decode("utf-8", "replace") if raw else i for (i,) in (await conn.execute(query)).all()]
+    if not ids:
+        return []
+    return [Break(Damage.DELETED, None, None, ids[0], None,
+                  f"{len(ids)} invocation record(s) ({_named(ids)}) have no events at all: every record starts with an "
+                  "event written with it, so their events were removed (a whole chain and its checkpoints, say, which "
+                  "leaves the other chains intact; an outside checkpoint file names the chain)")]
+
+
+async def _results_not_chained(conn: AsyncConnection, tables: set[str], raw: bool) -> list[Break]:
+    """Stored results whose body is not the one their ``RESULT_COMMITTED`` event chained
+    (``stored_body_sha256``). Only where both are stored in the clear: an encrypted body is
+    bound by its authenticated encryption instead (a read of an altered one fails), and an
+    encrypted event's hash is not readable without a key."""
+    if "results" not in tables:
+        return []
+    res = results_table.c
+    query = (
+        select(cast(res.invocation_id, LargeBinary).label("invocation_id") if raw else res.invocation_id, res.body,
+               events.c.payload)
+        .join(events, and_(events.c.invocation_id == res.invocation_id, events.c.kind == "RESULT_COMMITTED",
+                           events.c.key_id.is_(None)))
+        .where(res.key_id.is_(None))
+        .order_by(res.invocation_id)
+    )
+    chained: dict[str, set[str]] = defaultdict(set)
+    bodies: dict[str, str] = {}
+    async for batch in _stream(conn, query):
+        for row in batch:
+            invocation_id = bytes(row["invocation_id"]).decode("utf-8", "replace") if raw else row["invocation_id"]
+            try:
+                sha = json.loads(bytes(row["payload"])).get("stored_body_sha256")
+            except (ValueError, AttributeError):
+                continue  # a damaged payload: the chain's walk reports it
+            if isinstance(sha, str):
+                chained[invocation_id].add(sha)
+                bodies.setdefault(invocation_id, hashlib.sha256(bytes(row["body"] or b"")).hexdigest())
+    ids = sorted(i for i, shas in chained.items() if bodies[i] not in shas)
+    if not ids:
+        return []
+    return [Break(Damage.MODIFIED, None, None, ids[0], None,
+                  f"{len(ids)} stored result(s) ({_named(ids)}) hold a body whose SHA-256 is not the stored_body_sha256 "
+                  "their chained RESULT_COMMITTED event holds: the result was replaced after it was recorded (what "
+                  "`invocations result` or the side API would serve for it is not what the upstream answered)")]
 
 
 def verify_database(url: str, extra_checkpoints: Iterable[Row] = ()) -> AuditResult:
@@ -691,28 +756,10 @@ def verify_database(url: str, extra_checkpoints: Iterable[Row] = ()) -> AuditRes
     Streams the events: memory stays small however long the journal, but for the damaged part
     (see the comment above :class:`_Walk`). The findings are :func:`verify`'s over every row.
 
-    A journal with no events at all verifies trivially; if it still holds invocations, their
-    events were removed (every invocation's record starts with an event), and that is a break."""
-    result = asyncio.run(_verify_live(url, list(extra_checkpoints)))
-    if not result.events and result.ok and (orphans := asyncio.run(_count_invocations(url))):
-        result.breaks.append(Break(
-            Damage.DELETED, None, None, None, None,
-            f"the journal holds {orphans} invocation(s) but no events at all: every record starts with an event, so "
-            "their events were removed (and the chains' checkpoints with them, or a checkpoint would say so too)"))
-    return result
-
-
-async def _count_invocations(url: str) -> int:
-    engine = create_async_engine(url, connect_args=connect_args(url))
-    try:
-        async with engine.connect() as conn:
-            if "invocations" not in await conn.run_sync(lambda c: set(inspect(c).get_table_names())):
-                return 0
-            return int((await conn.execute(select(func.count()).select_from(invocations_table))).scalar() or 0)
-    except (SQLAlchemyError, OSError) as exc:
-        raise AuditInputError(f"the journal's invocations could not be counted ({brief(exc)})") from None
-    finally:
-        await engine.dispose()
+    Beyond the chains, two checks the chains cannot make: an invocation record with no event left
+    (its events were removed: every record starts with one), and a stored result whose body is
+    not the one its chained ``RESULT_COMMITTED`` names (where both are stored in the clear)."""
+    return asyncio.run(_verify_live(url, list(extra_checkpoints)))
 
 
 def verify_dump(path: Path, extra_checkpoints: Iterable[Row] = ()) -> AuditResult:

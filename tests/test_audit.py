@@ -242,9 +242,36 @@ def test_every_event_and_checkpoint_removed_while_invocations_remain_is_a_break(
     tamper(journal, "DELETE FROM events", "DELETE FROM chain_checkpoints", tables=("events", "chain_checkpoints"))
     result = audit.verify_database(journal)
     assert not result.ok and result.first.kind is Damage.DELETED, result
-    assert "invocation(s) but no events at all" in result.first.detail
+    assert "invocation record(s) (" in result.first.detail and "have no events at all" in result.first.detail
     tamper(journal, "DELETE FROM invocations", tables=())  # a journal truly empty: nothing to say
     assert audit.verify_database(journal).ok
+
+
+def test_a_whole_chain_deleted_with_its_checkpoints_is_found_by_the_records_it_leaves_without_events(journal):
+    """One broker's chain and checkpoints gone whole: the chains that are left verify, and its
+    invocations' rows stay, with no event; every record starts with one, so that is a removal."""
+    w2 = sorted({inv for _, inv, _, _ in chain(journal, "w2")})
+    tamper(journal, "DELETE FROM events WHERE writer = 'w2'", "DELETE FROM chain_checkpoints WHERE writer = 'w2'",
+           tables=("events", "chain_checkpoints"))
+    first = assert_first_break(audit.verify_database(journal), Damage.DELETED, None, None, w2[0], None)
+    assert first.detail.startswith(f"{len(w2)} invocation record(s) ({', '.join(w2)}) have no events at all"), first.detail
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_a_stored_result_replaced_after_it_was_recorded_is_found(make_broker, upstream, dialect):
+    """RESULT_COMMITTED chains the stored body's SHA-256; a body changed in `results` (in the
+    clear, without [crypto] keys) was served as the upstream's answer and verified intact."""
+    broker = make_broker(dialect)
+    with broker.client() as client:
+        ids = [client.post("https://api.payments.test/h/status?code=201", content=b"{}").headers["affidavit-invocation-id"]
+               for _ in range(2)]
+    assert broker.stop() == 0
+    assert audit.verify_database(broker.database_url).ok
+    forged = "CAST('{\"forged\":true}' AS BLOB)" if dialect == "sqlite" else "convert_to('{\"forged\":true}', 'UTF8')"
+    tamper(broker.database_url, f"UPDATE results SET body = {forged} WHERE invocation_id = '{ids[1]}'", tables=("results",))
+    result = audit.verify_database(broker.database_url)
+    first = assert_first_break(result, Damage.MODIFIED, None, None, ids[1], None)
+    assert first.detail.startswith(f"1 stored result(s) ({ids[1]}) hold a body whose SHA-256 is not"), first.detail
 
 
 def test_a_forged_row_inserted_with_a_correct_hash_is_found(journal):
