@@ -264,6 +264,10 @@ def keys_generate(
     if not _KEY_ID.fullmatch(key_id):
         _fail("a key id is 1-64 letters, digits, '_', '.' or '-'", 2)
     existing = _existing_keys(config)  # an invalid configuration stops here, before a key is written
+    if any(entry.partition("=")[0].strip() == key_id for entry in existing):
+        _fail(f"the configuration already lists a key '{key_id}': two keys under one id do not load, and another "
+              f"file behind '{key_id}' would leave everything stored under the old one unreadable. Choose a new "
+              "--id (the default is k<UTC timestamp>); no key was written", 2)
     path = (out or Path(".affidavit") / "keys" / f"{key_id}.key").absolute()
     try:
         _private_dirs(path.parent)

@@ -203,6 +203,12 @@ def test_keys_generate_writes_a_private_key_file_and_prints_only_how_to_referenc
     )
     assert again.returncode == 2 and "never overwritten" in again.stderr
     assert out.read_text().strip() == key
+    listed = subprocess.run(  # an id the configuration already lists, to another file
+        [sys.executable, "-c", runner, "generate", "--id", "k1", "--out", str(tmp_path / "k1b.key"), "-c", str(config)],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60,
+    )
+    assert listed.returncode == 2 and "already lists a key 'k1'" in listed.stderr, listed.stderr
+    assert not (tmp_path / "k1b.key").exists() and "keys = [" not in listed.stdout
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
