@@ -116,21 +116,32 @@ class KeyMismatch(ValueError):
 async def _check_encrypting_key(conn: Any, ring: KeyRing) -> None:
     """The key new versions would be encrypted with opens a row already stored under its id: with
     another key file behind the same id, a new version would be written that the brokers (which
-    have the right file) cannot read, while `secrets list` looked healthy."""
+    have the right file) cannot read, while `secrets list` looked healthy. One row that does not
+    open is not enough to say so (it may have been altered): any of the newest few that opens
+    shows the key is the right one."""
     key_id = ring.encrypting_key_id
     v = vault_secrets.c
-    row = (await conn.execute(select(vault_secrets).where(v.key_id == key_id).order_by(v.version.desc()).limit(1))
-           ).mappings().first()
-    if row is None:
-        return  # nothing under this id yet: nothing to compare with
-    try:
-        ring.decrypt(row["key_id"], row["ciphertext"], vault_aad(row["name"], row["version"]))
-    except AuthenticationFailed:
+    rows = (await conn.execute(select(vault_secrets).where(v.key_id == key_id).order_by(v.version.desc())
+                               .limit(_KEY_CHECK_ROWS))).mappings().all()
+    for row in rows:
+        try:
+            ring.decrypt(row["key_id"], row["ciphertext"], vault_aad(row["name"], row["version"]))
+            return
+        except AuthenticationFailed:
+            continue
+    if rows:
+        shown = ", ".join(f"'{r['name']}' {label(r['version'])}" for r in rows[:3]) + (" ..." if len(rows) > 3 else "")
         raise KeyMismatch(
-            f"the [crypto] key '{key_id}' configured here does not open the vault's '{row['name']}' "
-            f"{label(row['version'])}, stored under that same id: this is another key file than the one it was "
-            f"encrypted with, and what it stored no broker with the right file could read. Configure the key file "
-            f"the brokers use for '{key_id}'") from None
+            f"the [crypto] key '{key_id}' configured here opens none of the {len(rows)} newest vault row(s) stored "
+            f"under that same id ({shown}). Either this is another key file than the one they were encrypted with "
+            f"(then what it stored no broker with the right file could read: configure the key file the brokers use "
+            f"for '{key_id}'), or those rows were altered in the database (then no key opens them: make a new key "
+            f"with `affidavit keys generate`, list it first in [crypto] keys, and store the secrets again under it)"
+        ) from None
+
+
+#: How many of the newest rows under the encrypting key's id :func:`_check_encrypting_key` tries.
+_KEY_CHECK_ROWS = 20
 
 
 async def latest_version(engine: AsyncEngine, name: str) -> str | None:
