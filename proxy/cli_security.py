@@ -71,7 +71,13 @@ _EXTRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 def _read_value() -> str:
     if sys.stdin is None or not sys.stdin.isatty():
-        value = sys.stdin.read() if sys.stdin is not None else ""
+        raw = sys.stdin.buffer.read() if sys.stdin is not None else b""
+        try:
+            value = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:  # never the bytes themselves: they are the secret
+            _fail(f"the value is not UTF-8 text (at byte {exc.start + 1} of {len(raw)}); a secret is stored and sent as "
+                  "text: pipe it in as UTF-8 (a binary key base64-encoded, say, as its service expects it); nothing "
+                  "was stored")
         value = value.removesuffix("\n").removesuffix("\r")  # the one newline `echo` adds
     else:
         value = typer.prompt("Value", hide_input=True, confirmation_prompt=True)

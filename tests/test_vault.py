@@ -285,6 +285,16 @@ def test_secrets_set_refuses_a_value_too_short_to_be_redacted(cli):
     assert with_engine(db, vault.list_secrets) == {}
 
 
+def test_secrets_set_refuses_a_value_that_is_not_utf8_without_showing_it(cli):
+    db, workdir, config, key, keys = cli
+    done = subprocess.run([sys.executable, "-c", RUNNER.format(app="secrets_app"), "set", "payments-key", "-c", str(config)],
+                          input=b"caf\xe9-zqxjv9-\xff\n", capture_output=True, cwd=workdir, env=cli_env(key), timeout=60)
+    err = done.stderr.decode()
+    assert done.returncode == 1 and "the value is not UTF-8 text (at byte 4 of 14)" in err and "nothing was stored" in err, err
+    assert b"zqxjv9" not in done.stdout + done.stderr and "surrogates" not in err
+    assert with_engine(db, vault.list_secrets) == {}
+
+
 @pytest.mark.parametrize("argv", [["payments-key", "{value}"], ["payments-key", "--value={value}"], ["payments-key", "--value", "{value}"]])
 def test_secrets_set_refuses_a_value_on_the_command_line_and_does_not_echo_it(cli, argv):
     db, workdir, config, key, keys = cli
