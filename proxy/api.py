@@ -235,6 +235,10 @@ class BoundedHead(HttpToolsProtocol):
         if len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > MAX_HEAD:
             self._refuse_head()
             return
+        if self.parser.get_http_version() not in ("1.0", "1.1"):  # answered as HTTP/1.1, it would not read it
+            self._refuse(505, "HTTP Version Not Supported", f"The request says HTTP/{self.parser.get_http_version()}; "
+                         "this API speaks HTTP/1.1 (and 1.0). Nothing was read or changed.")
+            return
         if self.parser.get_method() == b"CONNECT":  # a client that took this port for the proxy's
             self._refuse(400, "Bad Request", "CONNECT: " + NOT_THE_PROXY)
             return

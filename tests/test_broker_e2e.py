@@ -843,13 +843,17 @@ def _readable(sock: socket.socket) -> bool:
     b"get /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
     b"POST /v1/approvals/act_nope HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
     b"POST /v1/approvals/act_nope HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n{}",
-], ids=["raw-utf8-path", "lowercase-method", "negative-length", "length-and-chunked"])
+    b"GET /healthz HTTP/2.0\r\nHost: x\r\n\r\n",
+    b"GET /healthz HTTP/0.9\r\nHost: x\r\n\r\n",
+], ids=["raw-utf8-path", "lowercase-method", "negative-length", "length-and-chunked", "http-2.0-line", "http-0.9-line"])
 def test_a_request_that_is_not_http_gets_a_problem_document(broker: BrokerProcess, upstream: HostileUpstream, request_bytes):
     answer = _api_raw(broker, [request_bytes])
     head, _, body = answer.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/problem+json" in head.lower(), answer[:300]
+    status = b"505" if b" HTTP/2.0" in request_bytes or b" HTTP/0.9" in request_bytes else b"400"
+    assert head.startswith(b"HTTP/1.1 " + status) and b"content-type: application/problem+json" in head.lower(), answer[:300]
     assert b"connection: close" in head.lower()
-    assert "not valid HTTP/1.1" in json.loads(body)["detail"], body
+    detail = json.loads(body)["detail"]
+    assert ("speaks HTTP/1.1" if status == b"505" else "not valid HTTP/1.1") in detail, body
 
 
 def test_the_schema_declares_every_answer_the_side_api_gives(broker: BrokerProcess, upstream: HostileUpstream):
