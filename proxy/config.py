@@ -8,7 +8,9 @@ half-configured.
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
+import math
 import os
 import re
 import tomllib
@@ -39,7 +41,9 @@ from pydantic_settings import (
 
 DEFAULT_CONFIG = Path("affidavit.toml")
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_DURATION = re.compile(r"^ *([0-9]+(?:\.[0-9]+)?) *(ms|s|m|h|d)? *$")
+#: The longest duration any setting takes (an idempotency retention of a year is already long).
+MAX_DURATION = 366 * 86400.0
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
 
@@ -54,8 +58,10 @@ def parse_duration(value: Any) -> float:
                 raise ValueError(f"{value!r}: a duration must be positive")
             raise ValueError(f"{value!r} is not a duration such as '10s', '5m' or '24h' (or a number of seconds)")
         seconds = float(match.group(1)) * _UNITS[match.group(2)]
-    if seconds <= 0:
-        raise ValueError("a duration must be positive")
+    if math.isnan(seconds) or seconds <= 0:
+        raise ValueError(f"{value!r}: a duration must be positive")
+    if seconds > MAX_DURATION:
+        raise ValueError(f"{value!r}: longer than any setting takes (at most 366d)")
     return seconds
 
 
@@ -79,10 +85,15 @@ def check_size(value: Any) -> Any:
 Size = Annotated[ByteSize, BeforeValidator(check_size)]
 
 
+_LISTEN_HOST = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?\]")
+
+
 def parse_listen(value: str) -> tuple[str, int]:
     host, sep, port = str(value).rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
-        raise ValueError(f"{value!r} is not host:port, e.g. '127.0.0.1:8080'")
+    if not sep or not _LISTEN_HOST.fullmatch(host) or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        # An empty host ('[]:8080') would bind every interface: that must be said, as 0.0.0.0 or [::].
+        raise ValueError(f"{value!r} is not host:port, e.g. '127.0.0.1:8080' or '[::1]:8080' (every interface: "
+                         "'0.0.0.0:8080' or '[::]:8080')")
     return host.strip("[]"), int(port)
 
 
@@ -117,6 +128,25 @@ def _token(value: str) -> str:
 
 Token = Annotated[str, AfterValidator(_token)]
 
+#: Headers the broker itself reads, sets or drops on the way upstream (hop-by-hop ones, Host,
+#: the agent's proxy credential, the body's length; proxy.upstream.HOP_BY_HOP): none can carry
+#: an idempotency key or a credential.
+RESERVED_HEADERS = frozenset({
+    "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
+    "proxy-authenticate", "proxy-authorization", "host", "content-length",
+})
+
+
+def _free_header(value: str) -> str:
+    _token(value)
+    if value.lower() in RESERVED_HEADERS:
+        raise ValueError(f"{value!r} is a header the broker itself reads, sets or drops on the way upstream "
+                         "(hop-by-hop, Host, Proxy-Authorization, Content-Length): it cannot carry a key or a credential")
+    return value
+
+
+FreeHeader = Annotated[str, AfterValidator(_free_header)]
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -130,7 +160,7 @@ class ProxySection(_Section):
     #: Default request-body limit for routes that set none.
     max_body: Size = ByteSize(10 * 1024 * 1024)
     #: Request header agents may use to mark one logical operation (see docs/retries.md).
-    idempotency_header: Token = "Idempotency-Key"
+    idempotency_header: FreeHeader = "Idempotency-Key"
     #: How long a re-send may hold an invocation before it must have dispatched.
     retry_lease: Duration = 30.0
     #: How long an agent's request line and headers may take to arrive, from their first byte.
@@ -166,7 +196,8 @@ class DatabaseSection(_Section):
 
             parsed = make_url(url)
             database = parsed.database or ""
-            if database in ("", ":memory:") or database.startswith("file::memory:") or parsed.query.get("mode") == "memory":
+            if (database in ("", ":memory:") or database.startswith("file::memory:") or parsed.query.get("mode") == "memory"
+                    or "memdb" in str(parsed.query.get("vfs", ""))):
                 # The journal's writer process would open a database of its own, and every record
                 # would be gone at exit: the journal's promise needs a file.
                 raise ValueError("an in-memory SQLite database cannot be the journal; give a file path, "
@@ -241,6 +272,14 @@ class RecoverySection(_Section):
     stale_after: Duration = 30.0
     sweep_every: Duration = 10.0
 
+    @model_validator(mode="after")
+    def _stale_after_beats(self) -> "RecoverySection":
+        if self.stale_after < 2 * self.heartbeat:
+            raise ValueError(f"'stale_after' ({self.stale_after:g} s) must be at least two heartbeats "
+                             f"({2 * self.heartbeat:g} s): a live broker whose beat is a moment late would be taken "
+                             "for stopped, and its in-flight records closed under it")
+        return self
+
 
 class Agent(_Section):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
@@ -255,7 +294,7 @@ class Secret(_Section):
 class Injection(_Section):
     """How the credential is attached: a header template, or HTTP Basic with a fixed user."""
 
-    header: Token | None = None
+    header: FreeHeader | None = None
     value: str = "{secret}"
     basic: str | None = Field(default=None, description="HTTP Basic username; the secret is the password")
     #: The exact value an agent may send in the injected header to satisfy an SDK that insists
@@ -269,6 +308,9 @@ class Injection(_Section):
             raise ValueError("set exactly one of 'header' (with 'value') or 'basic'")
         if self.header is not None and "{secret}" not in self.value:
             raise ValueError("'value' must contain '{secret}'")
+        for name in ("value", "basic", "placeholder"):
+            if (text := getattr(self, name)) is not None and re.search(r"[\x00-\x1f\x7f]", text):
+                raise ValueError(f"'{name}' holds a control character (a line break, say): a header value cannot")
         if self.basic is not None and self.value != "{secret}":
             raise ValueError("'value' has no effect with 'basic' (the secret is the password); remove it")
         return self
@@ -285,7 +327,7 @@ class Injection(_Section):
 class Idempotency(_Section):
     """A declared remote contract: the service binds this header's key to one operation."""
 
-    header: Token = "Idempotency-Key"
+    header: FreeHeader = "Idempotency-Key"
     scope: str
     retention: Duration
 
@@ -359,6 +401,10 @@ class Route(_Section):
             raise ValueError("'credential' and 'inject' go together")
         if self.connect_to is not None and self.host.startswith("*."):
             raise ValueError("'connect_to' needs an exact host, not a '*.suffix' pattern")
+        if self.inject is not None and self.idempotency is not None and (
+                self.inject.target_header.lower() == self.idempotency.header.lower()):
+            raise ValueError(f"'idempotency.header' and the injected header are both {self.idempotency.header!r}: the "
+                             "upstream would get the credential and the key in two lines of one header")
         return self
 
     @property
@@ -370,11 +416,20 @@ class Route(_Section):
             return False
         host = host.lower()
         if self.host.startswith("*."):
-            return host.endswith(self.host[1:]) and len(host) > len(self.host) - 1
+            # Names only: '*.254' must not take 169.254.169.254, nor '*.0.0.1' 127.0.0.1.
+            return host.endswith(self.host[1:]) and len(host) > len(self.host) - 1 and not _ip_literal(host)
         return host == self.host
 
     def matches_path(self, path: str) -> bool:
         return fnmatchcase(path, self.path)
+
+
+def _ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 class Settings(BaseSettings):

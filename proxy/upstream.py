@@ -31,24 +31,13 @@ from typing import Any, Protocol
 
 import httptools
 
+from .config import RESERVED_HEADERS
 from .contract import Code
 
 # Hop-by-hop and proxy headers never cross the broker (RFC 9110 section 7.6.1).
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
+#: What the broker itself reads, sets or drops on the way upstream (one list with the
+#: configuration's, which refuses these as an injected or idempotency header).
+HOP_BY_HOP = RESERVED_HEADERS
 
 
 def list_tokens(headers: list[tuple[str, str]], name: str) -> set[str]:

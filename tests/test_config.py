@@ -94,6 +94,21 @@ def test_the_environment_overrides_the_file(tmp_path, monkeypatch):
         (('header = "Authorization", value', 'header = "", value'), "routes[0].inject.header", "not a valid HTTP token"),
         (('header = "Idempotency-Key", scope', 'header = "Idem Key", scope'), "routes[0].idempotency.header", "not a valid HTTP token"),
         (('inject = {{ header = "Authorization", value = "Bearer {{secret}}" }}', 'inject = {{ basic = "svc", value = "x{{secret}}" }}'), "routes[0].inject", "no effect with 'basic'"),
+        # Found by a probe: each of these was accepted, and each misbehaved once the broker ran.
+        (('listen = "127.0.0.1:{port}"', 'listen = "[]:{port}"'), "proxy.listen", "every interface: '0.0.0.0:8080'"),
+        (('listen = "127.0.0.1:{port}"', 'listen = "a b:{port}"'), "proxy.listen", "is not host:port"),
+        (('listen = "127.0.0.1:{port}"', 'listen = "127.0.0.1:{port}"\nidempotency_header = "Proxy-Authorization"'),
+         "proxy.idempotency_header", "a header the broker itself reads, sets or drops"),
+        (('header = "Authorization", value', 'header = "Connection", value'), "routes[0].inject.header", "cannot carry a key or a credential"),
+        (('header = "Idempotency-Key", scope', 'header = "Host", scope'), "routes[0].idempotency.header", "cannot carry a key"),
+        (('header = "Idempotency-Key", scope', 'header = "authorization", scope'), "routes[0]", "the injected header are both 'authorization'"),
+        (('value = "Bearer {{secret}}"', 'value = "Bearer {{secret}}\\r\\nX-Evil: 1"'), "routes[0].inject", "'value' holds a control character"),
+        (('retention = "24h"', 'retention = nan'), "routes[0].idempotency.retention", "a duration must be positive"),
+        (('retention = "24h"', 'retention = inf'), "routes[0].idempotency.retention", "at most 366d"),
+        (('retention = "24h"', 'retention = "400d"'), "routes[0].idempotency.retention", "at most 366d"),
+        (('retention = "24h"', 'retention = "\u0663s"'), "routes[0].idempotency.retention", "is not a duration"),
+        (('[database]', '[recovery]\nheartbeat = "10s"\nstale_after = "15s"\n[database]'), "recovery", "at least two heartbeats"),
+        (('url = "sqlite+aiosqlite:///{db}"', 'url = "sqlite+aiosqlite:///file:memdb1?vfs=memdb&uri=true"'), "database.url", "in-memory SQLite"),
     ],
 )
 def test_a_bad_value_names_file_key_and_reason(tmp_path, mutation, key, reason):

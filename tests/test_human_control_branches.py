@@ -297,7 +297,7 @@ def wait_for_card(broker: BrokerProcess, timeout: float = 10) -> dict[str, Any]:
     ("unchanged", "sqlite"),  # the control: the same restart without a change goes through
 ])
 def test_an_approval_given_under_an_old_route_configuration_is_stale(make_broker, upstream, change, dialect):
-    broker = make_broker(dialect, routes=held_routes(upstream), recovery={"stale_after": "2s"})
+    broker = make_broker(dialect, routes=held_routes(upstream), recovery={"heartbeat": "0.5s", "stale_after": "2s"})
     key = "deploy_" + secrets.token_hex(6)
     body = b'{"deploy":"v51"}'
     first = Held(broker, body, key, timeout=5)

@@ -676,3 +676,19 @@ def test_a_method_override_field_is_read_where_frameworks_read_it(method, path, 
     req = AgentRequest(agent="a", scheme="https", host="api.test", port=443, method=method, path=path, headers=[], body=body)
     why = _override(req, "r")
     assert (why is not None and "_method field" in why) if refused else why is None, why
+
+
+@pytest.mark.parametrize("pattern,host,matched", [
+    ("*.254", "169.254.169.254", False),  # the cloud metadata address is no name under '254'
+    ("*.0.0.1", "127.0.0.1", False),
+    ("*.1", "[::1]", False),
+    ("*.example.test", "api.example.test", True),
+    ("*.254", "printer.254", True),
+])
+def test_a_wildcard_route_matches_names_not_ip_literals(pattern, host, matched):
+    """'*.suffix' stands for the names under a domain: an address that happens to end the same way
+    (a probe's '*.254' took 169.254.169.254, with the route's credential) is no such name."""
+    from proxy.config import Route
+
+    route = Route(name="r", host=pattern, agents=["a"])
+    assert route.matches_target("https", host, 443) is matched
