@@ -60,12 +60,19 @@ def parse_duration(value: Any) -> float:
         seconds = float(match.group(1)) * _UNITS[match.group(2)]
     if math.isnan(seconds) or seconds <= 0:
         raise ValueError(f"{value!r}: a duration must be positive")
+    return seconds
+
+
+def _setting_duration(value: Any) -> float:
+    """A duration a setting takes: :func:`parse_duration`'s, finite and at most :data:`MAX_DURATION`
+    (a window to look back over, ``--since``, may be longer)."""
+    seconds = parse_duration(value)
     if seconds > MAX_DURATION:
         raise ValueError(f"{value!r}: longer than any setting takes (at most 366d)")
     return seconds
 
 
-Duration = Annotated[float, BeforeValidator(parse_duration)]
+Duration = Annotated[float, BeforeValidator(_setting_duration)]
 
 
 def check_size(value: Any) -> Any:

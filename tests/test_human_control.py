@@ -622,7 +622,7 @@ def test_a_card_whose_broker_stopped_says_no_caller_waits_on_it(make_broker, ups
 
 
 def test_a_held_request_survives_a_restart(make_broker, upstream):
-    broker, key, card = held_then_restarted(make_broker, upstream, b'{"deploy":"v47"}', stale_after="2s")
+    broker, key, card = held_then_restarted(make_broker, upstream, b'{"deploy":"v47"}', heartbeat="0.5s", stale_after="2s")
     assert wait_for_card(broker)["invocation_id"] == card["invocation_id"], "the restart did not forget it"
     time.sleep(2.5)  # the old incarnation's heartbeat is stale: the agent's retry may take the wait over
     resumed = Held(broker, b'{"deploy":"v47"}', key=key)
