@@ -50,6 +50,10 @@ def ca_path(settings: Settings) -> Path:
     return (settings.proxy.confdir / CA_FILE).absolute()
 
 
+#: Tokens shorter than this are warned about at start.
+SHORT_TOKEN = 16
+
+
 def resolve_tokens(settings: Settings) -> tuple[dict[str, str], str | None]:
     """Agent and operator tokens are needed to serve at all: a missing one stops the start."""
     tokens: dict[str, str] = {}
@@ -68,6 +72,13 @@ def resolve_tokens(settings: Settings) -> tuple[dict[str, str], str | None]:
     if problems:
         raise ConfigError("cannot start; tokens unavailable:\n  " + "\n  ".join(problems))
     _tokens_distinct(settings, tokens, operator)
+    holders = [(f"agents[{i}].token (agent {agent.name!r})", tokens[agent.name]) for i, agent in enumerate(settings.agents)]
+    for key, token in holders + ([("api.operator_token", operator)] if operator is not None else []):
+        if len(token) < SHORT_TOKEN:
+            # Taken (a test setup may want one), but anyone who can reach the ports can guess it.
+            log.warning("%s is %d characters long: a token this short can be guessed by anyone who can reach the "
+                        "proxy or the side API. Use at least %d random characters (`openssl rand -hex 32`)",
+                        key, len(token), SHORT_TOKEN)
     for i, agent in enumerate(settings.agents):
         if (odd := sorted(set(tokens[agent.name]) - _URL_SAFE)):
             # Taken as it is, but a proxy URL holding it raw breaks ('@', ':', '/', a space...).

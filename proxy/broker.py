@@ -32,7 +32,7 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 from . import decisions, metrics
-from .config import Route, Settings, parse_listen
+from .config import LOOKUP_PLACEHOLDERS, Route, Settings, parse_listen
 from .contract import (
     CallerDisposition,
     Certainty,
@@ -1052,7 +1052,7 @@ class Broker:
                                     "(docs/configuration.md#lookup)")
         _, events = await queries.events_of(self.journal.engine, row["invocation_id"], self.journal.decode_payload)
         job_ref = next((e.get("job_ref") for e in reversed(events) if e.kind is EventKind.REMOTE_RESPONSE_COMPLETE), None)
-        values = {"key": row["idempotency_key"], "invocation_id": row["invocation_id"], "job_ref": job_ref}
+        values = dict(zip(LOOKUP_PLACEHOLDERS, (row["idempotency_key"], row["invocation_id"], job_ref)))
         path = route.lookup.path
         for name, value in values.items():
             if "{" + name + "}" in path:

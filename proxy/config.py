@@ -75,6 +75,13 @@ def _setting_duration(value: Any) -> float:
 Duration = Annotated[float, BeforeValidator(_setting_duration)]
 
 
+def _no_flag(value: Any) -> Any:
+    """A number or size given as ``true``/``false`` is a slip (pydantic would read it as 1 or 0)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{str(value).lower()} is a boolean; this setting takes a number")
+    return value
+
+
 def check_size(value: Any) -> Any:
     """A size as pydantic's ``ByteSize`` reads it, with a message that echoes the value and shows
     the form (pydantic's own says only "could not parse value and unit from byte string")."""
@@ -89,8 +96,23 @@ def check_size(value: Any) -> Any:
     return value
 
 
-Size = Annotated[ByteSize, BeforeValidator(check_size)]
+Size = Annotated[ByteSize, BeforeValidator(check_size), BeforeValidator(_no_flag)]
 
+
+def _flag(value: Any) -> Any:
+    """``true`` or ``false``; from the environment also ``"true"``/``"false"``/``"1"``/``"0"``. A number, or
+    a word such as ``"no"`` or ``"off"``, is refused rather than guessed at."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "1"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("false", "0"):
+        return False
+    raise ValueError(f"{value!r}: give true or false")
+
+
+Flag = Annotated[bool, BeforeValidator(_flag)]
+Number = Annotated[int, BeforeValidator(_no_flag)]
 
 _LISTEN_HOST = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?\]")
 
@@ -175,7 +197,7 @@ class ProxySection(_Section):
     #: How long an agent's request body may take to arrive, once its headers are complete.
     request_body_timeout: Duration = 120.0
     #: Broker processes sharing the listen ports (SO_REUSEPORT) and one journal; see docs/performance.md.
-    workers: int = Field(default=1, ge=1, le=64)
+    workers: Number = Field(default=1, ge=1, le=64)
     #: The event loop the broker runs on: uvloop's (libuv), or asyncio's own.
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
 
@@ -189,9 +211,9 @@ class ApiSection(_Section):
 
 class DatabaseSection(_Section):
     url: str = "sqlite+aiosqlite:///./affidavit.db"
-    pool_size: int = Field(default=10, ge=1, le=200)
+    pool_size: Number = Field(default=10, ge=1, le=200)
     #: Upgrade the schema on start (always done for SQLite; PostgreSQL uses `affidavit db upgrade`).
-    auto_upgrade: bool | None = None
+    auto_upgrade: Flag | None = None
 
     @field_validator("url")
     @classmethod
@@ -279,6 +301,14 @@ class RecoverySection(_Section):
     stale_after: Duration = 30.0
     sweep_every: Duration = 10.0
 
+    @field_validator("instance")
+    @classmethod
+    def _instance(cls, instance: str | None) -> str | None:
+        if instance is not None and not re.fullmatch(r"[!-~]+", instance):
+            raise ValueError(f"{instance!r}: a name of visible ASCII characters without spaces, such as 'broker-1' "
+                             "(leave it out for the default '<host name>:<proxy port>')")
+        return instance
+
     @model_validator(mode="after")
     def _stale_after_beats(self) -> "RecoverySection":
         if self.stale_after < 2 * self.heartbeat:
@@ -318,6 +348,9 @@ class Injection(_Section):
         for name in ("value", "basic", "placeholder"):
             if (text := getattr(self, name)) is not None and re.search(r"[\x00-\x1f\x7f]", text):
                 raise ValueError(f"'{name}' holds a control character (a line break, say): a header value cannot")
+        if self.basic is not None and ":" in self.basic:
+            raise ValueError("'basic' holds a ':': HTTP Basic ends the user name at the first ':' (RFC 7617), so the "
+                             "upstream would read a different user and password")
         if self.basic is not None and self.value != "{secret}":
             raise ValueError("'value' has no effect with 'basic' (the secret is the password); remove it")
         return self
@@ -339,6 +372,11 @@ class Idempotency(_Section):
     retention: Duration
 
 
+#: What a lookup path may name: the invocation's idempotency key, its id, and the job reference of
+#: a 202 answer (proxy.broker.Broker.lookup fills them in).
+LOOKUP_PLACEHOLDERS = ("key", "invocation_id", "job_ref")
+
+
 class Lookup(_Section):
     """How to ask the remote about an operation: a GET on the route's own origin.
 
@@ -349,27 +387,40 @@ class Lookup(_Section):
     path: str = Field(pattern=r"^/")
     method: Literal["GET", "HEAD"] = "GET"
 
+    @field_validator("path")
+    @classmethod
+    def _path(cls, path: str) -> str:
+        if path.startswith("//"):
+            raise ValueError("starts with '//', which a client reads as another host: the lookup goes to the route's "
+                             "own origin, give a path such as '/v1/charges/{key}'")
+        if not path.isascii() or not path.isprintable() or " " in path or "#" in path:
+            raise ValueError(f"{path!r}: a lookup path holds visible ASCII only, without '#' (percent-encode the rest)")
+        if (odd := sorted(set(re.findall(r"\{([^{}]*)\}", path)) - set(LOOKUP_PLACEHOLDERS))):
+            raise ValueError(f"unknown placeholder(s) {', '.join('{' + o + '}' for o in odd)}: the lookup path takes "
+                             + ", ".join("{" + p + "}" for p in LOOKUP_PLACEHOLDERS))
+        return path
+
 
 class Route(_Section):
     name: str = Field(pattern=r"^[A-Za-z0-9_.:-]+$")
     host: str
-    port: int = Field(default=443, ge=1, le=65535)
+    port: Number = Field(default=443, ge=1, le=65535)
     scheme: Literal["http", "https"] | None = None
     methods: list[str] = Field(default_factory=lambda: ["GET", "HEAD"])
     path: str = "/*"
     agents: list[str]
     credential: str | None = None
     inject: Injection | None = None
-    idempotent: bool | None = None
+    idempotent: Flag | None = None
     idempotency: Idempotency | None = None
-    approval: bool = False
+    approval: Flag = False
     #: How long a request held for approval waits for an operator's decision.
     approval_timeout: Duration = 300.0
     #: A read-only request that asks the remote what became of an operation, for
     #: `affidavit reconcile ID --lookup`. Placeholders: {key}, {invocation_id}, {job_ref}.
     lookup: Lookup | None = None
     max_body: Size | None = None
-    retry_budget: int = Field(default=3, ge=0)
+    retry_budget: Number = Field(default=3, ge=0, le=100)
     #: Connect here instead of resolving `host` (TLS is still verified against `host`).
     connect_to: Listen | None = None
     connect_timeout: Duration | None = None
@@ -378,28 +429,40 @@ class Route(_Section):
     #: Keep the route's upstream connections alive between requests (the default). False: a new
     #: connection for every request, closed after its answer, for an upstream that does not keep
     #: HTTP/1.1's framing (it answers without reading a body, or sends bytes nobody asked for).
-    reuse_connections: bool = True
+    reuse_connections: Flag = True
 
     @field_validator("methods")
     @classmethod
     def _upper(cls, methods: list[str]) -> list[str]:
         if not methods:
             raise ValueError("list at least one method")
+        if "*" in methods:
+            raise ValueError("'*' is not a wildcard here (it would allow only a method named '*'): list the methods, "
+                             'e.g. ["GET", "POST"]')
         return [_token(m).upper() for m in methods]
 
     @field_validator("host")
     @classmethod
     def _host(cls, host: str) -> str:
         host = host.lower()
-        if host.startswith("*.") and re.fullmatch(r"[a-z0-9-]+(\.[a-z0-9-]+)*", host[2:]) or re.fullmatch(r"[a-z0-9.-]+|\[[0-9a-f:]+\]", host):
+        if host.endswith(".") and host != ".":
+            raise ValueError(f"{host!r}: write the host without its trailing dot ({host.rstrip('.')!r}); a request "
+                             "naming it with the dot is refused before any route is matched")
+        name = host[2:] if host.startswith("*.") else host
+        if _DNS_NAME.fullmatch(name) and len(name) <= 253 or name is host and _ipv6_literal(host):
             return host
-        raise ValueError("must be an exact host name or '*.suffix'")
+        raise ValueError("must be an exact host name (labels of letters, digits and inner '-', joined by '.'), "
+                         "an IP address ('10.0.0.5', '[::1]') or '*.suffix'")
 
     @field_validator("path")
     @classmethod
     def _path(cls, path: str) -> str:
         if not path.startswith("/"):
             raise ValueError("must start with '/' (a glob such as '/v1/charges*')")
+        if not path.isascii() or not path.isprintable() or " " in path or "#" in path:
+            # A request path holding any of these is refused before routes are matched.
+            raise ValueError(f"{path!r}: a path glob holds visible ASCII only, without '#' (no request path "
+                             "can hold anything else, so the route could never match)")
         return path
 
     @model_validator(mode="after")
@@ -429,6 +492,13 @@ class Route(_Section):
 
     def matches_path(self, path: str) -> bool:
         return fnmatchcase(path, self.path)
+
+
+_DNS_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)*")
+
+
+def _ipv6_literal(host: str) -> bool:
+    return host.startswith("[") and host.endswith("]") and ":" in host and _ip_literal(host)
 
 
 def _ip_literal(host: str) -> bool:

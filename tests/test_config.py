@@ -88,7 +88,7 @@ def test_the_environment_overrides_the_file(tmp_path, monkeypatch):
         (('url = "sqlite+aiosqlite:///{db}"', 'url = "sqlite+aiosqlite://"'), "database.url", "in-memory SQLite"),
         (('url = "sqlite+aiosqlite:///{db}"', 'url = "sqlite+aiosqlite:///file::memory:?cache=shared&uri=true"'), "database.url", "in-memory SQLite"),
         (('methods = ["post"]', 'methods = ["FOO BAR"]'), "routes[0].methods", "not a valid HTTP token"),
-        (('host = "api.payments.test"', 'host = "*.a b"'), "routes[0].host", "exact host name or '*.suffix'"),
+        (('host = "api.payments.test"', 'host = "*.a b"'), "routes[0].host", "must be an exact host name"),
         (('listen = "127.0.0.1:{port}"', 'listen = "127.0.0.1:0"'), "proxy.listen", "host:port"),
         (('header = "Authorization", value', 'header = "Bad Header:", value'), "routes[0].inject.header", "not a valid HTTP token"),
         (('header = "Authorization", value', 'header = "", value'), "routes[0].inject.header", "not a valid HTTP token"),
@@ -109,6 +109,28 @@ def test_the_environment_overrides_the_file(tmp_path, monkeypatch):
         (('retention = "24h"', 'retention = "\u0663s"'), "routes[0].idempotency.retention", "is not a duration"),
         (('[database]', '[recovery]\nheartbeat = "10s"\nstale_after = "15s"\n[database]'), "recovery", "at least two heartbeats"),
         (('url = "sqlite+aiosqlite:///{db}"', 'url = "sqlite+aiosqlite:///file:memdb1?vfs=memdb&uri=true"'), "database.url", "in-memory SQLite"),
+        # Found by a probe: accepted, and then a route that could never match, or one that did not do what it said.
+        (('host = "api.payments.test"', 'host = "api.payments.test."'), "routes[0].host", "without its trailing dot ('api.payments.test')"),
+        (('host = "api.payments.test"', 'host = "."'), "routes[0].host", "must be an exact host name"),
+        (('host = "api.payments.test"', 'host = "-"'), "routes[0].host", "must be an exact host name"),
+        (('host = "api.payments.test"', 'host = ".payments.test"'), "routes[0].host", "must be an exact host name"),
+        (('host = "api.payments.test"', 'host = "api..payments.test"'), "routes[0].host", "must be an exact host name"),
+        (('host = "api.payments.test"', 'host = "*.-payments.test"'), "routes[0].host", "must be an exact host name"),
+        (('host = "api.payments.test"', 'host = "[not:v6"'), "routes[0].host", "must be an exact host name"),
+        (('methods = ["post"]', 'methods = ["*"]'), "routes[0].methods", "'*' is not a wildcard here"),
+        (('path = "/v1/charges*"', 'path = "/v1/charges#frag"'), "routes[0].path", "without '#'"),
+        (('path = "/v1/charges*"', 'path = "/v1/ch arges"'), "routes[0].path", "visible ASCII only"),
+        (('inject = {{ header = "Authorization", value = "Bearer {{secret}}" }}', 'inject = {{ basic = "svc:admin" }}'), "routes[0].inject", "'basic' holds a ':'"),
+        (('max_body = "1MiB"', 'max_body = "1MiB"\nlookup = {{ path = "//evil.test/{{key}}" }}'), "routes[0].lookup.path", "starts with '//'"),
+        (('max_body = "1MiB"', 'max_body = "1MiB"\nlookup = {{ path = "/v1/{{keyy}}" }}'), "routes[0].lookup.path", "unknown placeholder(s) {keyy}"),
+        (('max_body = "1MiB"', 'max_body = "1MiB"\nlookup = {{ path = "/v1/{{key}}\\r\\nX-Evil: 1" }}'), "routes[0].lookup.path", "visible ASCII only"),
+        (('max_body = "1MiB"', 'max_body = true'), "routes[0].max_body", "true is a boolean; this setting takes a number"),
+        (('max_body = "1MiB"', 'max_body = "1MiB"\nport = true'), "routes[0].port", "true is a boolean"),
+        (('max_body = "1MiB"', 'max_body = "1MiB"\napproval = "no"'), "routes[0].approval", "'no': give true or false"),
+        (('max_body = "1MiB"', 'max_body = "1MiB"\nreuse_connections = 0'), "routes[0].reuse_connections", "0: give true or false"),
+        (('max_body = "1MiB"', 'max_body = "1MiB"\nretry_budget = 1000000'), "routes[0].retry_budget", "less than or equal to 100"),
+        (('[database]', '[recovery]\ninstance = ""\n[database]'), "recovery.instance", "a name of visible ASCII characters"),
+        (('[database]', '[recovery]\ninstance = "broker 1"\n[database]'), "recovery.instance", "without spaces"),
     ],
 )
 def test_a_bad_value_names_file_key_and_reason(tmp_path, mutation, key, reason):
@@ -141,6 +163,20 @@ def test_a_bad_environment_variable_is_named_and_not_blamed_on_a_good_file(tmp_p
     named = [line for line in done.stderr.splitlines() if line.startswith(f"  {key} (from {variable}): ")]
     assert len(named) == 1 and reason in named[0], done.stderr
     assert "affidavit.toml" not in done.stderr, done.stderr
+
+
+def test_flags_from_the_environment_are_true_false_1_or_0(tmp_path, monkeypatch):
+    for given, read in (("true", True), ("FALSE", False), ("1", True), ("0", False)):
+        monkeypatch.setenv("AFFIDAVIT_DATABASE__AUTO_UPGRADE", given)
+        assert load_settings(write(tmp_path, good(tmp_path))).database.auto_upgrade is read
+    monkeypatch.setenv("AFFIDAVIT_DATABASE__AUTO_UPGRADE", "yes")
+    assert "'yes': give true or false" in refusal_of(write(tmp_path, good(tmp_path)))
+
+
+def test_hosts_that_stay_accepted(tmp_path):
+    for host in ("localhost", "10.0.0.5", "[::1]", "*.x-y.test", "API.Payments.test", "a" * 63 + ".test"):
+        route = load_settings(write(tmp_path, good(tmp_path).replace('host = "api.payments.test"', f'host = "{host}"'))).routes[0]
+        assert route.host == host.lower()
 
 
 def refusal_of(path: Path) -> str:
@@ -786,6 +822,22 @@ def test_a_token_a_proxy_url_cannot_hold_raw_is_taken_but_warned_about(tmp_path,
         said = " ".join(r.getMessage() for r in caplog.records)
         assert ("must percent-encode ( @)" in said) is warned, said
         assert token not in said or not warned
+
+
+def test_a_short_token_is_taken_but_warned_about_by_key_never_by_value(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from proxy.app import SHORT_TOKEN, resolve_tokens
+
+    settings = load_settings(write(tmp_path, good(tmp_path)))
+    for token, warned in (("k7Q", True), ("k" * (SHORT_TOKEN - 1), True), ("k" * SHORT_TOKEN, False)):
+        monkeypatch.setenv("BUILDER_TOKEN", token)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="affidavit"):
+            assert resolve_tokens(settings)[0]["builder"] == token
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert (f"agents[0].token (agent 'builder') is {len(token)} characters long" in said) is warned, said
+        assert token not in said
 
 
 def test_config_given_before_the_command_is_the_commands_and_the_commands_own_wins(tmp_path):
