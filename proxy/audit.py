@@ -35,6 +35,11 @@ an intact row chained to another predecessor       modified at ``n - 1`` (that r
 a row that does not hash to its ``hash``           modified (content changed after writing)
 =================================================  ===========================================
 
+Before those rules, a row whose ``writer`` was changed is named as such (modified) in both
+chains: in its own chain, where its position is empty and the row that fits there is stored
+under another writer, and in the chain its ``writer`` now names, where it hashes only with the
+writer it was written by.
+
 Checkpoints then: one beyond the chain's last row means the tail was cut (deleted, at the first
 missing position); one inside the verified prefix whose hash differs means the chain was
 re-hashed after the checkpoint (rewritten, at the checkpoint's position).
@@ -178,10 +183,11 @@ def verify(rows: Iterable[Row], checkpoints: Iterable[Row] = (), *, writers: Ite
     for mark in checkpoints:
         marks[mark["writer"]].append(mark)
     invocations = _Invocations(rows)
+    elsewhere = _Elsewhere(rows, set(by_writer) | set(marks))
     distinct = {(str(m["writer"]), int(m["writer_seq"]), str(m["hash"])) for m in checkpoints}  # an earlier export repeats the database's own
     result = AuditResult(events=len(rows), writers=len(by_writer), invocations=len(invocations.seqs), checkpoints=len(distinct))
     for writer in sorted(set(by_writer) | set(marks) if writers is None else set(writers)):
-        found = _Chain(writer, by_writer.get(writer, []), invocations).check(marks.get(writer, []))
+        found = _Chain(writer, by_writer.get(writer, []), invocations, elsewhere).check(marks.get(writer, []))
         if found is not None:
             result.breaks.append(found)
     result.breaks.extend(invocations.breaks())
@@ -247,12 +253,32 @@ class _Invocations:
         return out
 
 
+class _Elsewhere:
+    """Every chain's rows by the hash they link to, and every writer's name: a row whose ``writer``
+    column was changed is stored in another chain than the one it was written in."""
+
+    def __init__(self, rows: list[Row], writers: Set[str]):
+        self.by_prev: dict[str, list[Row]] = defaultdict(list)
+        for row in rows:
+            self.by_prev[row["prev_hash"]].append(row)
+        self.writers = sorted(writers)
+
+    def moved_from(self, writer: str, n: int, prev: str) -> Row | None:
+        """The row written by ``writer`` at ``n`` (after ``prev``), now stored under another writer."""
+        return next((r for r in self.by_prev.get(prev, []) if r["writer"] != writer and _fits(r, writer=writer, writer_seq=n)), None)
+
+    def written_by(self, row: Row) -> str | None:
+        """The other writer ``row`` hashes as (its ``writer`` column was changed), if any."""
+        return next((w for w in self.writers if w != row["writer"] and _fits(row, writer=w)), None)
+
+
 class _Chain:
     """One writer's rows, indexed by stored position and by the hashes they link."""
 
-    def __init__(self, writer: str, rows: list[Row], invocations: _Invocations):
+    def __init__(self, writer: str, rows: list[Row], invocations: _Invocations, elsewhere: _Elsewhere | None = None):
         self.writer = writer
         self.invocations = invocations
+        self.elsewhere = elsewhere if elsewhere is not None else _Elsewhere(rows, {writer})
         by_ws: dict[int, list[Row]] = defaultdict(list)
         by_prev: dict[str, list[Row]] = defaultdict(list)
         by_hash: dict[str, list[Row]] = defaultdict(list)
@@ -318,6 +344,8 @@ class _Chain:
 
     def _diagnose(self, n: int, prev: str, here: list[Row], rightful: Row | None) -> Break:
         """Name the damage at position ``n`` from the evidence (rules in the module docstring)."""
+        if (renamed := self._renamed(n, prev, here)) is not None:
+            return renamed
         if not here:
             if rightful is not None:
                 return self._break(
@@ -377,6 +405,25 @@ class _Chain:
             "the stored row no longer hashes to its recorded hash: its content (kind, payload, time, key id, "
             "invocation or seq) was changed after it was written" + ("" if row["prev_hash"] == prev else ", and so was its link"),
         )
+
+    def _renamed(self, n: int, prev: str, here: list[Row]) -> Break | None:
+        """A row whose ``writer`` column was changed: missing here and stored under another writer,
+        or stored here (or as this chain's next row) and written by another writer."""
+        if not here and (moved := self.elsewhere.moved_from(self.writer, n, prev)) is not None:
+            return self._break(
+                Damage.MODIFIED, n, moved,
+                f"the row written here is stored under writer {moved['writer']} at writer_seq {moved['writer_seq']}: "
+                "its writer was changed after it was written",
+            )
+        following = min((k for k in self.by_ws if k > n), default=None)
+        for row in here or (self.by_ws[following] if following is not None else []):
+            if (origin := self.elsewhere.written_by(row)) is not None:
+                return self._break(
+                    Damage.MODIFIED, int(row["writer_seq"]), row,
+                    f"this row was written by writer {origin} (as its writer_seq {row['writer_seq']}) and now says "
+                    f"writer {self.writer}: its writer was changed after it was written",
+                )
+        return None
 
     def _home(self, row: Row, n: int) -> int | None:
         """Another position at which ``row`` hashes, judged from its neighbours' links."""

@@ -205,6 +205,20 @@ def test_a_modified_kind_is_found_at_its_position(journal):
     assert_first_break(audit.verify_database(journal), Damage.MODIFIED, "w1", ws, inv, seq)
 
 
+def test_a_row_whose_writer_was_changed_is_named_so_in_both_chains(journal):
+    """It once read as 'writer_seq 1 to 24 missing' on the writer it was moved to, and as a
+    deleted row in its own chain. (Another broker's name at a position that broker holds is
+    refused by the journal's unique (writer, writer_seq).)"""
+    to = "forged"
+    ws, inv, seq, _ = middle(journal)
+    tamper(journal, f"UPDATE events SET writer = '{to}' WHERE writer = 'w1' AND writer_seq = {ws}")
+    result = audit.verify_database(journal)
+    said = {(b.kind, b.writer, b.writer_seq, b.invocation_id, b.seq): b.detail for b in result.breaks if b.writer is not None}
+    assert said.get((Damage.MODIFIED, "w1", ws, inv, seq), "").startswith(f"the row written here is stored under writer {to} "), said
+    assert said.get((Damage.MODIFIED, to, ws, inv, seq), "").startswith(f"this row was written by writer w1 (as its writer_seq {ws}) and now says writer {to}"), said
+    assert len(said) == 2, said
+
+
 def test_a_deleted_middle_row_is_found_and_its_invocation_named(journal):
     ws, inv, seq, _ = middle(journal)
     tamper(journal, f"DELETE FROM events WHERE writer = 'w1' AND writer_seq = {ws}")
@@ -597,6 +611,13 @@ def test_pure_a_row_replaced_with_a_recomputed_hash_is_modified_at_its_own_posit
     rows[5]["payload"] = b"forged"
     rows[5]["hash"] = chain_hash(rows[5])  # intact by itself; the next row still points at the original
     assert_first_break(audit.verify(rows), Damage.MODIFIED, "w1", 6, rows[5]["invocation_id"], rows[5]["seq"])
+
+
+def test_pure_a_row_moved_to_another_writer_at_the_start_of_a_chain_is_named():
+    rows = synthetic("w1")
+    rows[0]["writer"] = "w9"
+    result = audit.verify(rows)
+    assert [(b.kind, b.writer, b.writer_seq) for b in result.breaks] == [(Damage.MODIFIED, "w1", 1), (Damage.MODIFIED, "w9", 1)]
 
 
 def test_pure_a_writer_deleted_entirely_is_found_through_its_checkpoint():
