@@ -1526,6 +1526,12 @@ class Broker:
         headers.append((OUTCOME_HEADER, entry.record.outcome.value))
         if code is not None:
             headers.append((CODE_HEADER, code.value))
+        if (response.status >= 500 and entry.record.outcome is Outcome.COMMITTED and not entry.identity.idempotent
+                and not any(name.lower() == "x-should-retry" for name, _ in headers)):
+            # A 500 the remote answered a non-idempotent request with is a result (committed: it ran
+            # far enough to answer); an SDK's own loop would send the request again blindly, as a new
+            # invocation. The remote's own x-should-retry, when it sends one, is left as it is.
+            headers += should_retry(Retry.NEVER)
         reason = _redacted_text(response.reason, exchange.needles) or ""
         reply = Reply(response.status, headers, body, entry.invocation_id, reason=reason, framed=True)
         reply.delivered = lambda: self._delivered(entry)

@@ -393,6 +393,42 @@ def test_openai_sdk_default_retries_stop_at_an_unknown_outcome(
     assert len(fresh.received) == 1 and fresh.effects == 1
 
 
+STATUS_SNIPPET = """
+import json, sys, openai
+base_url, query = sys.argv[1], json.loads(sys.argv[2])
+
+def without_authorization(request):
+    request.headers.pop("Authorization", None)
+
+# The SDK's default retries (2), which repeat any 5xx, 408, 409 and 429 unless x-should-retry says no.
+client = openai.OpenAI(base_url=base_url, api_key="unused",
+                       http_client=openai.DefaultHttpxClient(event_hooks={"request": [without_authorization]}))
+try:
+    client.chat.completions.create(model="gpt-test", messages=[{"role": "user", "content": "pay"}], extra_query=query)
+    print(json.dumps({"raised": None}))
+except openai.APIStatusError as exc:
+    print(json.dumps({"status": exc.response.status_code, "should_retry": exc.response.headers.get("x-should-retry")}))
+"""
+
+
+@pytest.mark.parametrize(("query", "should_retry", "effects"), [
+    ({"code": "500"}, "false", 1),                                   # committed: the broker says no
+    ({"code": "500", "header": "x-should-retry:true"}, "true", 3),   # the remote's own word is kept
+    ({"code": "429"}, None, 3),                                      # rejected (no effect claimed): untouched
+])
+def test_openai_sdk_default_retries_do_not_repeat_a_non_idempotent_call_the_remote_answered_with_a_500(
+    broker: BrokerProcess, agent_env: dict[str, str], fresh: HostileUpstream, query: dict[str, str],
+    should_retry: str | None, effects: int,
+):
+    """A complete 500 to a POST is a result (committed: the remote ran far enough to answer), and the
+    SDK's own loop would send the request twice more as new invocations, each executed upstream (a
+    probe saw three). The broker adds `x-should-retry: false` to it; a remote's own x-should-retry,
+    and a refusal that claims no effect (429, 503, 4xx), pass through as they are."""
+    result = python(STATUS_SNIPPET, agent_env, "https://openai-lost.example.test/h/status/v1", json.dumps(query))
+    assert result == {"status": int(query["code"]), "should_retry": should_retry}, result
+    assert fresh.effects == effects
+
+
 # -- Node.js fetch ------------------------------------------------------------------------------
 
 
