@@ -220,6 +220,11 @@ MAX_REQUEST_HEAD = 64 * 1024
 #: agent's chunked request body may have.
 MAX_CHUNK_LINE = 4096
 
+#: How long a connection whose request was refused before it was read whole (a body over the
+#: limit, a head too large, broken framing) keeps being read, and what arrives dropped, after the
+#: refusal went out: until the agent closes, or this many seconds.
+LINGER = 10.0
+
 
 def install_core_refusals(body_limit: int, clocks: "RequestClocks | None" = None) -> None:
     """Make the refusals mitmproxy sends itself, before any hook runs, envelopes like every
@@ -268,6 +273,8 @@ def install_core_refusals(body_limit: int, clocks: "RequestClocks | None" = None
     )
     from mitmproxy.proxy.layers.http import _http1, _http2
     from mitmproxy.proxy.layers.http._base import ReceiveHttp
+    from mitmproxy.proxy.layers.tls import ClientTLSLayer
+    from OpenSSL import SSL
 
     from .deadlines import expired  # deadlines builds on this module: imported once both are loaded
 
@@ -310,6 +317,94 @@ def install_core_refusals(body_limit: int, clocks: "RequestClocks | None" = None
             return None
         log.info("the proxy core refused a request: %d %s", status, response.headers["Affidavit-Code"])
         return response
+
+    def refuse_and_linger(server: _http1.Http1Server, response: http.Response) -> Any:
+        """Send ``response`` and close, lingering: stop sending (a FIN after the answer) but keep
+        reading, and dropping, whatever the agent still sends, until it closes or :data:`LINGER`
+        seconds pass. A close with the agent's bytes unread makes the kernel answer them with a
+        reset, which discards the refusal at the agent's end before a client that reads only after
+        sending its whole body (urllib3, curl with a chunked body) has read it: the agent saw a
+        broken connection instead of the envelope. Nothing the agent sends afterwards is parsed,
+        so no request after a refusal on this connection can reach the broker."""
+        response.headers["Connection"] = "close"
+        yield commands.SendData(server.conn, assemble_response(response))
+        handler = connection_handler(server.conn)
+        if handler is None or server.conn not in handler.transports:
+            yield commands.CloseConnection(server.conn)
+            server.state = server.done
+            return
+        # Below mitmproxy's layers (the answer is written by now): a half-close sent through
+        # them would reach a CONNECT tunnel's own stream as the tunnel's end, which closes the
+        # connection whole. Over TLS a close_notify goes first: a bare FIN is a truncation to the
+        # agent's TLS library (OpenSSL answers it with a decode_error alert).
+        if goodbye := close_notify(server):
+            handler.transports[server.conn].writer.write(goodbye)
+        handler.close_connection(server.conn, half_close=True)
+        server.state = functools.partial(lingering, server)
+        asyncio.get_running_loop().call_later(LINGER, close_lingering, weakref.ref(server.conn))
+
+    def lingering(server: _http1.Http1Server, event: Any) -> Any:
+        if isinstance(event, events.ConnectionClosed):
+            yield commands.CloseConnection(server.conn)
+            server.state = server.done
+            return
+        server.buf = type(server.buf)()  # dropped, unparsed
+        yield from ()
+
+    def close_notify(server: _http1.Http1Server) -> bytes:
+        """The bytes of a TLS close_notify on the agent's connection, when the broker terminates
+        TLS on it; else nothing."""
+        for layer in server.context.layers:
+            if isinstance(layer, ClientTLSLayer) and layer.conn is server.conn and getattr(layer, "tls", None) is not None:
+                try:
+                    layer.tls.shutdown()
+                    return layer.tls.bio_read(65536)
+                except SSL.Error:
+                    return b""
+        return b""
+
+    def connection_handler(client: Client) -> Any:
+        try:
+            from mitmproxy import ctx
+
+            return ctx.master.addons.get("proxyserver").connections.get(client.id)
+        except Exception:  # no master, or one without a proxyserver
+            return None
+
+    def close_lingering(conn: "weakref.ref[Client]") -> None:
+        client = conn()
+        if client is None or client.state is ConnectionState.CLOSED:
+            return
+        handler = connection_handler(client)
+        if handler is not None and client in handler.transports:
+            handler.close_connection(client)
+
+    def unanswered(server: _http1.Http1Server) -> bool:
+        """No final answer went out yet: none, or only an interim one (the ``100 Continue`` mitmproxy
+        sends an agent that asked for it, which mitmproxy's own error path takes for an answer
+        and then closes without one)."""
+        return server.response is None or server.response.status_code < 200
+
+    def lingering(server: _http1.Http1Server, event: Any) -> Any:
+        if isinstance(event, events.ConnectionClosed):
+            yield commands.CloseConnection(server.conn)
+            server.state = server.done
+            return
+        server.buf = type(server.buf)()  # dropped, unparsed
+        yield from ()
+
+    def close_lingering(conn: "weakref.ref[Client]") -> None:
+        client = conn()
+        if client is None or client.state is ConnectionState.CLOSED:
+            return
+        try:
+            from mitmproxy import ctx
+
+            handler = ctx.master.addons.get("proxyserver").connections.get(client.id)
+        except Exception:  # no master, or one without a proxyserver: the connection is gone with it
+            handler = None
+        if handler is not None and client in handler.transports:
+            handler.close_connection(client)
 
     make_error_response = getattr(_http1.make_error_response, "__wrapped__", _http1.make_error_response)
 
@@ -391,12 +486,12 @@ def install_core_refusals(body_limit: int, clocks: "RequestClocks | None" = None
             yield from read_body(self, event)
         except Unreadable as unreadable:
             response: http.Response = unreadable.args[0]
-            if self.response is None and self.conn.state & ConnectionState.CAN_WRITE:
-                response.headers["Connection"] = "close"
-                yield commands.SendData(self.conn, assemble_response(response))
-            yield commands.CloseConnection(self.conn)
+            if unanswered(self) and self.conn.state & ConnectionState.CAN_WRITE:
+                yield from refuse_and_linger(self, response)
+            else:
+                yield commands.CloseConnection(self.conn)
+                self.state = self.done
             yield ReceiveHttp(RequestProtocolError(self.stream_id, "the request body could not be read as sent", unreadable_request))
-            self.state = self.done
         if clocks is not None:
             clocks.http1_read(self, event)
 
@@ -416,6 +511,8 @@ def install_core_refusals(body_limit: int, clocks: "RequestClocks | None" = None
             ends = [i for i in (pending.find(b"\n\r\n"), pending.find(b"\n\n")) if i >= 0]
             too_large = (min(ends) if ends else len(pending)) > MAX_REQUEST_HEAD and bool(self.conn.state & ConnectionState.CAN_WRITE)
         if too_large:
+            # No lingering here: a head this long is not a client's ordinary request, and reading
+            # on would take whatever it still sends.
             response = refusal(431)
             assert response is not None
             response.headers["Connection"] = "close"
@@ -433,6 +530,16 @@ def install_core_refusals(body_limit: int, clocks: "RequestClocks | None" = None
                 yield from read_headers(self, events.DataReceived(self.conn, b""))
         if clocks is not None:
             clocks.http1_read(self, event)
+
+    send = getattr(_http1.Http1Server.send, "__wrapped__", _http1.Http1Server.send)
+
+    def http1_send(self: _http1.Http1Server, event: Any) -> Any:
+        # mitmproxy's own refusal of a request it will not read (a declared body over its
+        # body_size_limit, say) is sent the same lingering way; other events as mitmproxy sends them.
+        if (isinstance(event, ResponseProtocolError) and unanswered(self) and self.conn.state & ConnectionState.CAN_WRITE
+                and (response := refusal(status_of(event.code))) is not None):
+            return (yield from refuse_and_linger(self, response))
+        return (yield from send(self, event))
 
     handle_event = getattr(_http2.Http2Server._handle_event, "__wrapped__", _http2.Http2Server._handle_event)
 
@@ -456,10 +563,12 @@ def install_core_refusals(body_limit: int, clocks: "RequestClocks | None" = None
     http1_error_response.__wrapped__ = make_error_response  # type: ignore[attr-defined]
     http1_read_body.__wrapped__ = read_body  # type: ignore[attr-defined]
     http1_read_headers.__wrapped__ = read_headers  # type: ignore[attr-defined]
+    http1_send.__wrapped__ = send  # type: ignore[attr-defined]
     http2_handle_event.__wrapped__ = handle_event  # type: ignore[attr-defined]
     _http1.make_error_response = http1_error_response
     _http1.Http1Server.read_body = http1_read_body  # type: ignore[method-assign]
     _http1.Http1Server.read_headers = http1_read_headers  # type: ignore[method-assign]
+    _http1.Http1Server.send = http1_send  # type: ignore[method-assign]
     _http2.Http2Server._handle_event = http2_handle_event  # type: ignore[method-assign]
 
 

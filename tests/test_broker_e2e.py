@@ -1545,6 +1545,52 @@ def test_requests_the_proxy_core_refuses_get_envelopes(broker: BrokerProcess, up
     assert upstream.received == []
 
 
+OVERSIZED_SNIPPET = """
+import json, sys, requests
+url, size = sys.argv[1], int(sys.argv[2])
+answers = []
+for _ in range(3):
+    try:
+        r = requests.post(url, data=b"x" * size, timeout=30)  # sends the whole body, then reads
+        answers.append([r.status_code, r.json()["error"]["code"]])
+    except requests.RequestException as exc:
+        answers.append(["raised", type(exc).__name__, str(exc)[:300]])
+print(json.dumps(answers))
+"""
+
+
+@pytest.mark.parametrize("size_mib", [12, 40])
+@pytest.mark.parametrize("url", ["https://api.payments.test/h/ok", "http://plain.example.test/h/ok"])
+def test_a_client_that_sends_its_whole_oversized_body_before_reading_gets_the_refusal(
+    broker: BrokerProcess, upstream: HostileUpstream, url: str, size_mib: int,
+):
+    """requests (urllib3) writes the whole body before it reads. The proxy core refuses a body
+    over its limit at once (413) and used to close with the rest unread: the kernel answered the
+    agent's next bytes with a reset, which discarded the refusal, and requests raised a
+    ConnectionError or SSLError (14 of 15 times over TLS in a probe). The broker now stops
+    sending and reads on, dropping the bytes, until the agent closes."""
+    env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper()}
+    env.update(HTTPS_PROXY=broker.proxy_url(), HTTP_PROXY=broker.proxy_url(), REQUESTS_CA_BUNDLE=str(broker.ca_path))
+    upstream.reset()
+    run = subprocess.run([sys.executable, "-c", OVERSIZED_SNIPPET, url, str(size_mib << 20)], env=env, capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    assert json.loads(run.stdout) == [[413, "PAYLOAD_LIMIT"]] * 3
+    assert upstream.received == []
+
+
+def test_a_chunked_body_over_the_limit_sent_whole_by_curl_gets_the_refusal(broker: BrokerProcess, upstream: HostileUpstream, tmp_path: Path):
+    """curl with a chunked upload reads nothing until it has sent the last chunk ("Empty reply
+    from server" before the linger)."""
+    body = tmp_path / "big"
+    body.write_bytes(b"y" * (12 << 20))
+    upstream.reset()
+    done = broker.curl("http://plain.example.test/h/ok", "-X", "POST", "-H", "Transfer-Encoding: chunked", "--data-binary", f"@{body}")
+    assert done.returncode == 0, done.stderr.decode()
+    status, _, answer = split_curl(done.stdout)
+    assert (status, json.loads(answer)["error"]["code"]) == (413, "PAYLOAD_LIMIT")
+    assert upstream.received == []
+
+
 def test_a_well_framed_chunked_body_is_read_however_it_arrives(broker: BrokerProcess, upstream: HostileUpstream):
     """The stricter reading of chunked framing takes nothing well-framed: chunk extensions, several
     chunks, and every CRLF split across reads, one byte at a time."""
