@@ -722,7 +722,8 @@ async def _verify_live(url: str, extra: list[Row]) -> AuditResult:
             events=walk.events, writers=len(walk.writers), invocations=invocations,
             checkpoints=len({(str(m["writer"]), int(m["writer_seq"]), str(m["hash"])) for m in marks}),
         )
-        beyond = [*await _records_without_events(conn, tables, raw), *await _results_not_chained(conn, tables, raw)]
+        beyond = [*await _records_without_events(conn, tables, raw), *await _events_without_records(conn, tables, raw),
+                  *await _results_not_chained(conn, tables, raw)]
         if not walk.flagged and not flagged_invocations:
             result.breaks.extend(beyond)
             return result
@@ -758,6 +759,25 @@ async def _records_without_events(conn: AsyncConnection, tables: set[str], raw: 
                   f"{len(ids)} invocation record(s) ({_named(ids)}) have no events at all: every record starts with an "
                   "event written with it, so their events were removed (a whole chain and its checkpoints, say, which "
                   "leaves the other chains intact; an outside checkpoint file names the chain)")]
+
+
+async def _events_without_records(conn: AsyncConnection, tables: set[str], raw: bool) -> list[Break]:
+    """Invocations whose events are there but whose record row is not. Every event is written in
+    the same transaction as its invocation's row, so the row was removed: ``invocations show``
+    and the side API then know nothing of an invocation the chain still holds (an ``unknown`` one
+    drops out of the reconciliation queue), while every chain verifies."""
+    if "invocations" not in tables:
+        return []
+    ev = events.c.invocation_id
+    query = (select(cast(ev, LargeBinary) if raw else ev).distinct()
+             .where(~exists().where(invocations_table.c.invocation_id == ev)).order_by(ev))
+    ids = [bytes(i).decode("utf-8", "replace") if raw else i for (i,) in (await conn.execute(query)).all()]
+    if not ids:
+        return []
+    return [Break(Damage.DELETED, None, None, ids[0], None,
+                  f"{len(ids)} invocation(s) ({_named(ids)}) have events in the chain but no record row: every event "
+                  "is written with its invocation's row, so the row was removed, and `invocations show` and the side "
+                  "API no longer know the invocation; its events say what it was (`audit export`)")]
 
 
 async def _results_not_chained(conn: AsyncConnection, tables: set[str], raw: bool) -> list[Break]:

@@ -27,9 +27,9 @@ from typer.testing import CliRunner
 from proxy import audit
 from proxy.audit import Break, Damage, checkpoint_row
 from proxy.contract import EventKind
-from proxy.crypto import KeyRing, payload_codec
+from proxy.crypto import KeyRing
 from proxy.invocation_log import InvocationLog, new_invocation_id
-from proxy.store.journal import GENESIS, EventRow, Journal, Write, chain_hash, make_engine, on_engine
+from proxy.store.journal import GENESIS, Journal, chain_hash, make_engine, on_engine
 from proxy.store.schema import events
 from proxy.store.vault_schema import chain_checkpoints, vault_secrets
 from tests.conftest import DIALECTS, database_url
@@ -271,6 +271,15 @@ def test_a_whole_chain_deleted_with_its_checkpoints_is_found_by_the_records_it_l
     assert first.detail.startswith(f"{len(w2)} invocation record(s) ({', '.join(w2)}) have no events at all"), first.detail
 
 
+def test_an_invocation_record_deleted_while_its_events_remain_is_found(journal):
+    """A probe deleted one `unknown` invocation's row: `invocations show` then said there was no
+    such invocation, it left the reconciliation queue, and verify said intact."""
+    _, inv, _, _ = middle(journal)
+    tamper(journal, f"DELETE FROM invocations WHERE invocation_id = '{inv}'", tables=("invocations",))
+    first = assert_first_break(audit.verify_database(journal), Damage.DELETED, None, None, inv, None)
+    assert first.detail.startswith(f"1 invocation(s) ({inv}) have events in the chain but no record row"), first.detail
+
+
 @pytest.mark.parametrize("dialect", DIALECTS)
 def test_a_stored_result_replaced_after_it_was_recorded_is_found(make_broker, upstream, dialect):
     """RESULT_COMMITTED chains the stored body's SHA-256; a body changed in `results` (in the
@@ -457,21 +466,22 @@ def test_verify_works_on_an_export_and_finds_the_same_break(journal, tmp_path):
     assert_first_break(audit.verify_dump(tmp_path / "edited.jsonl"), Damage.MODIFIED, "w1", ws, inv, seq)
 
 
-async def write_encrypted(url: str, ring: KeyRing) -> list[str]:
-    """Encrypted payloads through the real writer: the chain covers the ciphertext."""
+async def write_encrypted(url: str, ring: KeyRing) -> None:
+    """Encrypted payloads through the real writer (each invocation's record row with its first
+    events, as the broker writes them): the chain covers the ciphertext."""
     engine = make_engine(url)
-    journal = Journal(engine, writer="enc")
+    journal = Journal(engine, writer="enc", ring=ring)
     await journal.start()
-    encode, ids = payload_codec(ring), []
     for _ in range(3):
-        inv = new_invocation_id()
-        ids.append(inv)
-        for seq, kind in enumerate(("ACTION_ACCEPTED", "PREFLIGHT_VALIDATED", "FAILED"), 1):
-            payload, key_id = encode(inv, seq, {"canary": "audit-plaintext-canary", "seq": seq})
-            await journal.commit(Write(events=[EventRow(inv, seq, kind, datetime.now(UTC), payload, key_id)]))
+        entry = InvocationLog(journal, identity(), "enc")
+        entry.append(EventKind.ACTION_ACCEPTED, agent="audit-plaintext-canary")
+        await entry.commit()
+        entry.append(EventKind.PREFLIGHT_VALIDATED, route="audit-plaintext-canary")
+        await entry.commit()
+        entry.append(EventKind.CREDENTIAL_AUTHORIZED, credential_id="audit-plaintext-canary", credential_version="v1")
+        await entry.commit()
     await journal.close()
     await engine.dispose()
-    return ids
 
 
 def config_without_keys(workdir: Path, url: str) -> Path:
@@ -492,7 +502,8 @@ def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_the_cli_verifies_ciphertext_without_any_key_and_names_the_break(journal, tmp_path):
     ring = KeyRing([("k1", os.urandom(32))])
     asyncio.run(write_encrypted(journal, ring))
-    assert not any("audit-plaintext-canary" in str(p) for (p,) in query(journal, "SELECT key_id FROM events WHERE writer = 'enc'"))
+    stored = query(journal, "SELECT key_id, payload FROM events WHERE writer = 'enc'")
+    assert len(stored) == 9 and all(k == "k1" and "audit-plaintext-canary" not in str(p) and b"audit-plaintext-canary" not in (p if isinstance(p, bytes) else b"") for k, p in stored), stored
     config = config_without_keys(tmp_path, journal)
 
     intact = run_cli("verify", "-c", str(config), cwd=tmp_path)
