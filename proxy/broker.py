@@ -228,6 +228,10 @@ class LookupUnavailable(Exception):
 #: handed over (mitmproxy itself drops a connection idle for 600 s) before recording it undelivered.
 DELIVERY_CONFIRM_WAIT = 600.0
 
+#: How long a stopping broker waits for requests still being handled, and again for the exchanges
+#: still recording late results (docs/cli.md, docs/operations.md).
+CLOSE_WAIT = 5.0
+
 #: A re-send's lease with less than this left at its dispatch write is renewed first (see
 #: :meth:`_Exchange._commit_fenced`), so the lease does not lapse between the check and the commit.
 LEASE_MARGIN = timedelta(seconds=1)
@@ -301,6 +305,9 @@ class _Exchange:
     async def dispatch(self, attempt: int, connection: str) -> None:
         """The boundary: nothing is written upstream until this returns."""
         await failpoint("during_tls")
+        if self.broker.stopping:
+            # The stop cuts exchanges soon: one dispatched now would end unknown with nothing sent.
+            raise SetupFailed("request", Code.CONNECT_FAILED, "the broker is stopping; nothing was sent")
         if self.caller_left:
             raise DispatchRefused(Code.CALLER_CANCELLED, "the caller left before dispatch")
         if self.approval_check is not None and (why := self.approval_check()) is not None:
@@ -560,13 +567,17 @@ class Broker:
         self._closing = True  # no new write-behind resends: the journal closes after this
         for task in self._behind:
             task.cancel()
+        loop = asyncio.get_running_loop()
         for waiting in (self._handling, self._background):
-            if waiting:
-                await asyncio.wait(set(waiting), timeout=5)
+            deadline = loop.time() + CLOSE_WAIT
+            # Again while new ones joined: requests accepted just before the proxy stopped
+            # listening start after the first look.
+            while waiting and (left := deadline - loop.time()) > 0:
+                await asyncio.wait(set(waiting), timeout=left)
         if self._handling:
-            log.warning("%d request(s) were still being handled after 5 s and are left as they are: their records "
+            log.warning("%d request(s) were still being handled after %g s and are left as they are: their records "
                         "stay in flight until recovery closes them (at the next start, or by another broker)",
-                        len(self._handling))
+                        len(self._handling), CLOSE_WAIT)
 
     # -- the request path -------------------------------------------------------------------
 

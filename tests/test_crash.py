@@ -250,6 +250,30 @@ def test_a_request_not_yet_dispatched_at_a_clean_stop_is_never_sent(make_broker,
     assert rows == [("not_attempted", "CONNECT_FAILED")], rows
 
 
+def test_a_request_that_reaches_its_dispatch_after_the_stop_began_is_not_dispatched(make_broker, upstream):
+    """SIGTERM while a request has its upstream connection and is about to dispatch: its
+    DISPATCH_STARTED used to be committed after the signal, and the stop then cut the exchange
+    before a byte went out, so the record ended unknown (reconcile) with nothing sent (found by a
+    probe). A dispatch once the broker is stopping is refused instead: not_attempted."""
+    broker = make_broker(routes=crash_routes(upstream), env={"AFFIDAVIT_FAILPOINTS": "during_tls=pause:2@1"})
+    key = f"stopping-at-dispatch-{time.monotonic_ns()}"
+    answers: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: _quietly(lambda: answers.append(post(broker, SAFE + "/h/ok", key))))
+    thread.start()
+    time.sleep(0.7)  # connected upstream; paused at the start of the dispatch
+    assert broker.stop() == 0
+    thread.join(20)
+    assert upstream.received == [], "nothing is sent once the broker is stopping"
+    invocation_id = record_by_key(broker, key)
+    rows = query(broker.database_url, f"SELECT outcome, code FROM invocations WHERE invocation_id = '{invocation_id}'")
+    assert rows == [("not_attempted", "CONNECT_FAILED")], rows
+    kinds = [k for (k,) in query(broker.database_url, f"SELECT kind FROM events WHERE invocation_id = '{invocation_id}' ORDER BY seq")]
+    assert "DISPATCH_STARTED" not in kinds, kinds
+    if answers:  # the agent's connection may be cut by the stop first
+        message = check_envelope(answers[0].content)["error"]["message"]
+        assert message.startswith("The broker is stopping"), message
+
+
 def test_a_broker_out_of_file_descriptors_says_so_and_blames_no_upstream(make_broker, upstream):
     """With every descriptor of the broker's process in use (idle connections piled up, say), the
     connection to the upstream cannot be opened: nothing is sent, and the agent is told why,
@@ -1377,3 +1401,41 @@ def test_a_resend_that_cannot_connect_does_not_say_nothing_was_sent(make_broker,
     assert "Nothing was sent" not in body["error"]["message"] and "is safe" not in body["error"]["message"], body
     assert "earlier attempt" in body["error"]["message"], body
     assert upstream.effects == 1
+
+
+def test_a_stopping_broker_waits_also_for_requests_that_began_after_it_first_looked(caplog):
+    """Broker.close looked once at the requests being handled; one accepted just before the proxy
+    stopped listening began after that look, and the stop then logged it as 'still being handled
+    after 5 s' a fraction of a second after the signal (found by a probe), without waiting for it."""
+    import asyncio
+    import logging
+    import types
+
+    from proxy.broker import Broker
+
+    async def scenario() -> tuple[bool, float]:
+        handling: set[asyncio.Task[None]] = set()
+        late_done = asyncio.Event()
+
+        async def late() -> None:
+            await asyncio.sleep(0.3)
+            late_done.set()
+
+        async def first() -> None:
+            await asyncio.sleep(0.1)
+            task = asyncio.create_task(late())
+            handling.add(task)
+            task.add_done_callback(handling.discard)
+
+        task = asyncio.create_task(first())
+        handling.add(task)
+        task.add_done_callback(handling.discard)
+        broker = types.SimpleNamespace(_closing=False, _behind=set(), _handling=handling, _background=set())
+        started = time.monotonic()
+        await Broker.close(broker)  # type: ignore[arg-type]
+        return late_done.is_set(), time.monotonic() - started
+
+    with caplog.at_level(logging.WARNING, logger="affidavit"):
+        waited_for_late, took = asyncio.run(scenario())
+    assert waited_for_late and took < 2, took
+    assert "still being handled" not in caplog.text
