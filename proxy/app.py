@@ -11,6 +11,7 @@ import signal
 import socket
 import ssl
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -283,9 +284,29 @@ async def serve(
 
     def stop() -> None:
         broker.stopping = True  # before mitmproxy cuts the agents' connections: not their leaving
+        # A connection accepted as the listener closes may never get its handler started; Python
+        # then warns about the handler's coroutine when it is collected (see cut_by_the_stop).
+        warnings.filterwarnings("ignore", message=r"coroutine '.*handle_stream' was never awaited", category=RuntimeWarning)
         master.shutdown()
 
     loop = asyncio.get_running_loop()
+    earlier_handler = loop.get_exception_handler()
+
+    def cut_by_the_stop(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        # A connection accepted as the stop began has its handler cancelled before it ran, and
+        # asyncio's stream callback then reports the cancellation as an error with a traceback
+        # (seen with --workers): expected at a stop, and no error.
+        if broker.stopping and isinstance(context.get("exception"), asyncio.CancelledError):
+            return
+        task = context.get("task")
+        if broker.stopping and isinstance(task, asyncio.Task) and _handles_a_connection(task):
+            return  # the same connections' handlers, never run, dropped with the loop ("Task was destroyed")
+        if earlier_handler is not None:
+            earlier_handler(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(cut_by_the_stop)
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
             loop.add_signal_handler(sig, stop)
@@ -341,6 +362,14 @@ async def serve(
         await journal.close()
         await reader.close()
         await engine.dispose()
+
+
+def _handles_a_connection(task: asyncio.Task[Any]) -> bool:
+    """Whether ``task`` is part of mitmproxy's handling of one accepted connection (its handler, or
+    the handler's idle watchdog)."""
+    code = getattr(task.get_coro(), "cr_code", None)
+    filename = code.co_filename.replace(os.sep, "/") if code is not None else ""
+    return filename.endswith(("mitmproxy/proxy/server.py", "mitmproxy/proxy/mode_servers.py"))
 
 
 class StartupError(Exception):
