@@ -40,6 +40,7 @@ from .contract import CallerDisposition, Code, EventKind, Phase, Record, Stage, 
 from .invocation_log import InvocationLog, identity_of, utcnow
 from .store import queries
 from .store.journal import Fence, Journal, brief
+from .store.reading import reading
 from .store.schema import brokers, invocations
 
 log = logging.getLogger("affidavit.recovery")
@@ -217,7 +218,7 @@ class Recovery:
     async def _look_for_twins(self) -> None:
         """Note this instance's other owners whose heartbeat moved since the last look: they are
         alive, however their name says they are an earlier incarnation of this broker."""
-        async with self.engine.connect() as conn:
+        async with reading(self.engine) as conn:
             rows = (await conn.execute(select(brokers.c.owner, brokers.c.heartbeat_at).where(
                 brokers.c.instance == self.instance, brokers.c.owner != self.owner))).all()
         beats = {owner: at for owner, at in rows}
@@ -263,7 +264,7 @@ class Recovery:
             .order_by(c.created_at)
             .limit(500)
         )
-        async with self.engine.connect() as conn:
+        async with reading(self.engine) as conn:
             rows = [dict(r) for r in (await conn.execute(query)).mappings().all()]
         closed = 0
         for row in rows:

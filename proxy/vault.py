@@ -25,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from .contract import Code
 from .credentials import CredentialUnavailable
 from .crypto import AuthenticationFailed, KeyRing, UnknownKeyId, vault_aad
+from .store.reading import reading
 from .store.vault_schema import vault_secrets
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
@@ -147,7 +148,7 @@ _KEY_CHECK_ROWS = 20
 async def latest_version(engine: AsyncEngine, name: str) -> str | None:
     """The label of the newest version of ``name`` (no decryption, no key needed), or None."""
     v = vault_secrets.c
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         version = (await conn.execute(select(func.max(v.version)).where(v.name == name))).scalar()
     return label(version) if version is not None else None
 
@@ -162,7 +163,7 @@ async def latest(engine: AsyncEngine, ring: KeyRing, name: str, *, what: str | N
     if not ring.enabled:
         raise _locked(what)
     v = vault_secrets.c
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         row = (
             await conn.execute(select(vault_secrets).where(v.name == name).order_by(v.version.desc()).limit(1))
         ).mappings().first()
@@ -194,7 +195,7 @@ async def list_secrets(engine: AsyncEngine) -> dict[str, list[SecretVersion]]:
     v = vault_secrets.c
     query = select(v.name, v.version, v.key_id, v.created_at).order_by(v.name, v.version)
     out: dict[str, list[SecretVersion]] = {}
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         for name, version, key_id, created_at in await conn.execute(query):
             out.setdefault(name, []).append(SecretVersion(label(version), key_id, created_at))
     return out

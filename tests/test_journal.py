@@ -146,6 +146,51 @@ def test_a_lazy_write_does_not_wake_the_writer_and_goes_after_its_linger_or_with
     asyncio.run(scenario())
 
 
+def test_a_record_whose_lazy_first_write_landed_is_known_to_be_durable(db):
+    """Its refusals then name it: at a stop, a request whose first facts had landed by write-behind
+    and whose next write the closing journal refused was told 'No invocation was recorded', and
+    its record stayed in flight (found by a probe)."""
+    async def scenario():
+        engine = make_engine(db)
+        journal = Journal(engine, writer="w1", linger=0.01)
+        await journal.start()
+        entry = _accepted(journal)
+        assert not entry.durable
+        entry.submit_quietly()
+        await asyncio.wait_for(entry._last, 10)
+        await asyncio.sleep(0)  # the write's callbacks
+        assert entry.durable
+        await journal.close()
+        await engine.dispose()
+
+    asyncio.run(scenario())
+
+
+def test_a_read_in_progress_holds_up_no_journal_write(db):
+    """On SQLite every transaction began with BEGIN IMMEDIATE, reads too: a read (the side API's
+    record, `invocations list`, a key lookup) held the write lock while it ran, so a dispatch
+    commit waited behind it, and a read waited behind any writer (a probe saw the side API answer
+    503 while another process held a write lock). Reads now take no lock."""
+    from proxy.store.reading import reading
+
+    async def scenario() -> float:
+        engine = make_engine(db)
+        journal = Journal(engine, writer="w1", timeout=3.0)
+        await journal.start()
+        await _accepted(journal).commit()
+        try:
+            async with reading(engine) as conn:
+                assert (await conn.execute(select(invocations.c.invocation_id))).first() is not None  # a transaction is open
+                started = time.monotonic()
+                await asyncio.wait_for(_accepted(journal).commit(), 10)
+                return time.monotonic() - started
+        finally:
+            await journal.close()
+            await engine.dispose()
+
+    assert asyncio.run(scenario()) < 1.0
+
+
 def test_deferred_work_runs_while_the_writer_waits_on_the_database(db):
     """Work nobody waits for (a delivery record, the end-of-invocation log line) runs once the
     next batch is on its way to the database, before that batch's answer; with no batch going

@@ -38,6 +38,7 @@ from .. import metrics
 from ..failpoints import failpoint
 from ..crypto import KeyRing, payload_codec, payload_decoder, result_codec, result_decoder
 from .leases import ReplayTally
+from .reading import READ_ONLY
 from .sqlite_writer import SqliteWriter
 from .schema import events
 from .statements import PROJECTION_COLUMNS, CoreStatements, Fence, SqliteStatements, sqlite_pragmas, store_rows
@@ -160,8 +161,9 @@ def _sqlite_settings(engine: Engine, timeout: float) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _begin(conn: Any) -> None:
-        # Take the write lock up front so concurrent broker processes queue, not deadlock.
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        # Take the write lock up front so concurrent broker processes queue, not deadlock; a
+        # read (see reading()) takes none: WAL gives it a snapshot beside the writer.
+        conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(READ_ONLY) else "BEGIN IMMEDIATE")
 
     return engine
 

@@ -16,6 +16,7 @@ from sqlalchemy import and_, bindparam, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .schema import brokers, invocations
+from .reading import reading
 
 c = invocations.c
 log = logging.getLogger("affidavit.journal")
@@ -23,7 +24,7 @@ log = logging.getLogger("affidavit.journal")
 
 async def find_keyed(engine: AsyncEngine, agent: str, scope: str, key: str) -> dict[str, Any] | None:
     query = select(invocations).where(and_(c.agent == agent, c.idempotency_scope == scope, c.idempotency_key == key))
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         row = (await conn.execute(query)).mappings().first()
     return dict(row) if row else None
 
@@ -140,7 +141,7 @@ async def add_replays(engine: AsyncEngine, counts: Counter[str]) -> None:
 async def owner_alive(engine: AsyncEngine, owner: str, stale_after: float) -> bool:
     """Whether the broker process ``owner`` has sent a heartbeat within ``stale_after`` seconds
     (judged by the database's clock on PostgreSQL, like the heartbeats themselves)."""
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         if conn.dialect.name == "postgresql":
             cutoff: Any = func.now() - timedelta(seconds=stale_after)
         else:

@@ -20,6 +20,7 @@ from ..contract import ENDED, Event, EventKind, UnreadableRecord
 from ..crypto import PayloadDecoder, ResultDecoder
 from ..invocation_view import owner_view
 from .schema import brokers, events, invocations, results
+from .reading import reading
 
 #: What a read of the journal raises when it fails: because the database is away, or because it
 #: answered the query with an error. :func:`unreachable` tells the two apart.
@@ -124,13 +125,13 @@ def _row(row: Any) -> dict[str, Any]:
 
 
 async def invocation(engine: AsyncEngine, invocation_id: str) -> dict[str, Any] | None:
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         row = (await conn.execute(select(invocations).where(invocations.c.invocation_id == invocation_id))).mappings().first()
     return _row(row) if row else None
 
 
 async def event_rows(engine: AsyncEngine, invocation_id: str) -> list[dict[str, Any]]:
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         rows = (
             await conn.execute(select(events).where(events.c.invocation_id == invocation_id).order_by(events.c.seq))
         ).mappings().all()
@@ -165,7 +166,7 @@ async def events_of(engine: AsyncEngine, invocation_id: str, decode: PayloadDeco
 async def events_after(engine: AsyncEngine, invocation_id: str, seq: int, decode: PayloadDecoder) -> list[Event]:
     """Events appended after ``seq`` (by another process, e.g. an operator's decision)."""
     query = select(events).where(events.c.invocation_id == invocation_id, events.c.seq > seq).order_by(events.c.seq)
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         rows = [_row(r) for r in (await conn.execute(query)).mappings().all()]
     return decode_events(rows, decode)
 
@@ -177,7 +178,7 @@ async def held(engine: AsyncEngine, after: str | None = None, limit: int = 200) 
     query = select(invocations).where(c.stage == "held").order_by(c.invocation_id).limit(limit)
     if after is not None:
         query = query.where(c.invocation_id > after)
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         return [_row(r) for r in (await conn.execute(query)).mappings().all()]
 
 
@@ -189,7 +190,7 @@ async def approval_requests(engine: AsyncEngine, invocation_ids: list[str], deco
     query = (select(events)
              .where(events.c.invocation_id.in_(invocation_ids), events.c.kind == EventKind.APPROVAL_REQUESTED.value)
              .order_by(events.c.invocation_id, events.c.seq))
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         rows = [_row(r) for r in (await conn.execute(query)).mappings().all()]
     latest = {row["invocation_id"]: row for row in rows}  # in seq order: the last one stays
     return {invocation_id: event.data for invocation_id, event in zip(latest, decode_events(list(latest.values()), decode))}
@@ -211,7 +212,7 @@ async def invocation_with_result(engine: AsyncEngine, invocation_id: str) -> tup
         .select_from(invocations.outerjoin(results, results.c.invocation_id == invocations.c.invocation_id))
         .where(invocations.c.invocation_id == invocation_id)
     )
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         found = (await conn.execute(query)).mappings().first()
     if found is None:
         return None, None
@@ -239,7 +240,7 @@ async def stored_result(engine: AsyncEngine, invocation_id: str, decode: ResultD
 
 
 async def result(engine: AsyncEngine, invocation_id: str) -> dict[str, Any] | None:
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         row = (await conn.execute(select(results).where(results.c.invocation_id == invocation_id))).mappings().first()
     return _row(row) if row else None
 
@@ -266,7 +267,7 @@ async def outcome_counts(engine: AsyncEngine, since: datetime, route: str | None
              .group_by(c.phase, c.outcome))
     if route is not None:
         query = query.where(c.route == route)
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         return [(phase, outcome, int(n)) for phase, outcome, n in (await conn.execute(query)).all()]
 
 
@@ -291,7 +292,7 @@ async def list_invocations(
         query = query.where(c.created_at >= since)
     if before is not None:
         query = query.where(c.invocation_id < before)
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         return [_row(r) for r in (await conn.execute(query)).mappings().all()]
 
 
@@ -307,7 +308,7 @@ async def holder(engine: AsyncEngine, row: dict[str, Any], stale_after: float) -
 async def heartbeat_of(engine: AsyncEngine, owner: str) -> tuple[datetime | None, datetime]:
     """When ``owner`` last wrote its heartbeat (None: never, or not under that name), and now, by
     the clock that stamps heartbeats: PostgreSQL's own, this host's on SQLite."""
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         beat = (await conn.execute(select(brokers.c.heartbeat_at).where(brokers.c.owner == owner))).scalar()
         now = (await conn.execute(select(func.now()))).scalar() if conn.dialect.name == "postgresql" else None
     return _utc(beat), _utc(now) or datetime.now(UTC)
@@ -319,5 +320,5 @@ def _utc(value: datetime | None) -> datetime | None:
 
 
 async def ping(engine: AsyncEngine) -> None:
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:
         await conn.execute(text("SELECT 1"))
