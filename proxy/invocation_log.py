@@ -274,6 +274,8 @@ class InvocationLog:
         """
         write = self._next_write(result, fence, claim, lazy)
         self._last = self.journal.submit(write)
+        if lazy:  # nobody awaits it: its landing is what makes the record durable
+            self._last.add_done_callback(self._landed)
         if write is self._end_write:
             self._last.add_done_callback(lambda future: None if _went_wrong(future) else self._end_landed(write))
         return self._last
@@ -386,6 +388,10 @@ class InvocationLog:
             e.seq in rows and rows[e.seq]["kind"] == e.kind and bytes(rows[e.seq]["payload"]) == e.payload
             for e in write.events
         )
+
+    def _landed(self, future: asyncio.Future[None]) -> None:
+        if not _went_wrong(future):
+            self.durable = True
 
     def submit_quietly(self) -> None:
         """Write-behind for facts nobody waits on; a failed one is sent again by the next commit.
