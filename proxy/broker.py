@@ -436,6 +436,12 @@ class _Exchange:
             if not exc.request_complete:
                 self.request_written = False  # the transport's word only counts when complete
             self.record_progress()
+            if self.broker.stopping and exc.code is Code.REMOTE_RESULT_INCOMPLETE:
+                # The stop cut the response, not the upstream: its record ends as the stop's cuts do.
+                exc = ExchangeFailed(Code.REMOTE_OUTCOME_UNKNOWN, exc.diagnostic, request_complete=exc.request_complete,
+                                     headers_received=exc.headers_received)
+            if self.broker.stopping:
+                return _Settled(failure=exc, attempt=self.attempt, message=_STOPPED_MID_EXCHANGE)
             head_too_large = exc.code is Code.RESULT_TOO_LARGE and not exc.headers_received
             return _Settled(failure=exc, attempt=self.attempt, message=_HEAD_TOO_LARGE if head_too_large else None)
         try:
@@ -2028,6 +2034,9 @@ def _provisional_end(entry: InvocationLog) -> tuple[Outcome, Retry]:
 _RETRY_LATER = " Retrying later is safe; if it persists, an operator should check the route's host, port or connect_to."
 _STOPPING = ("The broker is stopping (a restart or a scale-down), so it did not send this request. Nothing was sent. "
              "Retrying in a moment is safe (another broker, or this one once it is back, takes it).")
+_STOPPED_MID_EXCHANGE = ("The broker is stopping (a restart or a scale-down) and cut this exchange once its dispatch was "
+                         "recorded, before the whole response arrived. The effect is unknown: do not blindly re-send; "
+                         "follow the retry hint.")
 _OUT_OF_FILES = ("The broker has no file descriptor left for a connection to the upstream (too many connections are "
                  "open to it). Nothing was sent. Retrying later is safe; operators: raise the broker's open-files "
                  "limit (LimitNOFILE, ulimit -n) or find who holds so many connections open.")

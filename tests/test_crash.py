@@ -274,6 +274,28 @@ def test_a_request_that_reaches_its_dispatch_after_the_stop_began_is_not_dispatc
         assert message.startswith("The broker is stopping"), message
 
 
+def test_a_response_the_stop_cuts_mid_body_is_said_to_be_cut_by_the_stop(make_broker, upstream):
+    """SIGTERM while a response's body is arriving: the stop cuts it, and the agent was told 'The
+    response ended before its framing was complete' (REMOTE_RESULT_INCOMPLETE), which blames the
+    upstream (found by two probes). The record ends as the stop's cuts do: REMOTE_OUTCOME_UNKNOWN."""
+    broker = make_broker(routes=crash_routes(upstream))
+    key = f"stopping-mid-body-{time.monotonic_ns()}"
+    answers: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: _quietly(lambda: answers.append(post(broker, SAFE + "/h/stall_mid_body", key))))
+    thread.start()
+    upstream.wait_for_requests(1, timeout=10)
+    time.sleep(0.5)  # the head and the first bytes are in
+    assert broker.stop() == 0
+    thread.join(20)
+    invocation_id = record_by_key(broker, key)
+    rows = query(broker.database_url, f"SELECT outcome, code FROM invocations WHERE invocation_id = '{invocation_id}'")
+    assert rows == [("unknown", "REMOTE_OUTCOME_UNKNOWN")], rows
+    if answers:  # the agent's connection may be cut by the stop first
+        error = check_envelope(answers[0].content)["error"]
+        assert (error["code"], error["outcome"]) == ("REMOTE_OUTCOME_UNKNOWN", "unknown"), error
+        assert error["message"].startswith("The broker is stopping"), error
+
+
 def test_a_broker_out_of_file_descriptors_says_so_and_blames_no_upstream(make_broker, upstream):
     """With every descriptor of the broker's process in use (idle connections piled up, say), the
     connection to the upstream cannot be opened: nothing is sent, and the agent is told why,

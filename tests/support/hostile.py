@@ -755,6 +755,15 @@ class HostileUpstream:
             return False
         return await self._send(conn, entry, 200, self._echo(conn, entry, n))
 
+    async def _b_stall_mid_body(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
+        """Effect; a 200 head promising 100 bytes and 10 of them; then nothing for ``?delay=`` (10)
+        s or until the client leaves; then close."""
+        n = self._apply(entry)
+        await conn.send(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n" + b'{"effects":'[:10])
+        entry.response_status = 200
+        await conn.wait_input(float(q.get("delay", "10")))
+        return False
+
     async def _b_idle_close(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
         """Effect; keep-alive 200 echo; close ``?after=`` (0.2) s later if the client stays idle.
 
