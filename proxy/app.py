@@ -120,6 +120,12 @@ def prepare_database(settings: Settings, *, nothing: str = "Nothing was started"
     if (problem := migrate.sqlite_file_problem(settings.database.url)) is not None:
         raise StartupError(f"database.url {redact_url(settings.database.url)}: {problem}. {nothing}; fix database.url, "
                            f"then {then}.")
+    if (database := migrate.sqlite_file(settings.database.url)) is not None and _empty_file(Path(database)):
+        # SQLite takes an empty file for a new database: a journal truncated to nothing (a full
+        # disk at a copy, a bad restore) would be replaced by a new one without a word.
+        log.warning("database.url %s: the file is empty (0 bytes), so a new, empty journal starts in it. If it held a "
+                    "journal, that journal is gone and every earlier invocation is unknown to this broker: stop it and "
+                    "restore the file from a backup.", redact_url(settings.database.url))
     try:
         current = schema_revision(settings.database.url)
         if auto:
@@ -139,6 +145,13 @@ def prepare_database(settings: Settings, *, nothing: str = "Nothing was started"
             f"this broker needs {migrate.head()}. "
             "Run `affidavit db upgrade` first (or set database.auto_upgrade = true)."
         )
+
+
+def _empty_file(path: Path) -> bool:
+    try:
+        return path.is_file() and path.stat().st_size == 0 and not Path(f"{path}-wal").exists()
+    except OSError:
+        return False
 
 
 def schema_revision(url: str) -> str | None:

@@ -897,3 +897,22 @@ def test_a_configuration_file_that_is_not_utf8_or_not_a_file_is_named_not_a_trac
         done = subprocess.run([AFFIDAVIT, *args], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
         assert done.returncode == 2, (args, done.stderr[-2000:])
         assert done.stderr == f"affidavit: {latin1}: not UTF-8 text (byte 0xe9 on line 4); TOML files are UTF-8: save it as UTF-8\n"
+
+
+def test_an_empty_journal_file_is_started_on_with_a_warning_that_says_what_it_means(tmp_path, caplog):
+    """SQLite takes a 0-byte file for a new database: a journal truncated to nothing was replaced
+    by an empty one without a word, and every earlier invocation id answered 404 (found by a probe)."""
+    import logging
+
+    from proxy.app import prepare_database
+
+    settings = load_settings(write(tmp_path, good(tmp_path)))
+    with caplog.at_level(logging.WARNING, logger="affidavit"):
+        prepare_database(settings)  # no file yet: a new journal, nothing to say
+    assert "the file is empty" not in caplog.text
+    (tmp_path / "j.db").unlink()
+    (tmp_path / "j.db").write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="affidavit"):
+        prepare_database(settings)
+    assert "the file is empty (0 bytes), so a new, empty journal starts in it" in caplog.text
+    assert "restore the file from a backup" in caplog.text
