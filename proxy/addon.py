@@ -220,9 +220,9 @@ MAX_REQUEST_HEAD = 64 * 1024
 #: agent's chunked request body may have.
 MAX_CHUNK_LINE = 4096
 
-#: How long a connection whose request was refused before it was read whole (a body over the
-#: limit, a head too large, broken framing) keeps being read, and what arrives dropped, after the
-#: refusal went out: until the agent closes, or this many seconds.
+#: How long a connection whose request body was refused before it was read whole (over the limit,
+#: or broken framing) keeps being read, and what arrives dropped, after the refusal went out:
+#: until the agent closes, or this many seconds.
 LINGER = 10.0
 
 
@@ -384,27 +384,6 @@ def install_core_refusals(body_limit: int, clocks: "RequestClocks | None" = None
         sends an agent that asked for it, which mitmproxy's own error path takes for an answer
         and then closes without one)."""
         return server.response is None or server.response.status_code < 200
-
-    def lingering(server: _http1.Http1Server, event: Any) -> Any:
-        if isinstance(event, events.ConnectionClosed):
-            yield commands.CloseConnection(server.conn)
-            server.state = server.done
-            return
-        server.buf = type(server.buf)()  # dropped, unparsed
-        yield from ()
-
-    def close_lingering(conn: "weakref.ref[Client]") -> None:
-        client = conn()
-        if client is None or client.state is ConnectionState.CLOSED:
-            return
-        try:
-            from mitmproxy import ctx
-
-            handler = ctx.master.addons.get("proxyserver").connections.get(client.id)
-        except Exception:  # no master, or one without a proxyserver: the connection is gone with it
-            handler = None
-        if handler is not None and client in handler.transports:
-            handler.close_connection(client)
 
     make_error_response = getattr(_http1.make_error_response, "__wrapped__", _http1.make_error_response)
 
