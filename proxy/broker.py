@@ -440,7 +440,7 @@ class _Exchange:
                 # The stop cut the response, not the upstream: its record ends as the stop's cuts do.
                 exc = ExchangeFailed(Code.REMOTE_OUTCOME_UNKNOWN, exc.diagnostic, request_complete=exc.request_complete,
                                      headers_received=exc.headers_received)
-            if self.broker.stopping:
+            if self.broker.stopping and exc.code is Code.REMOTE_OUTCOME_UNKNOWN:
                 return _Settled(failure=exc, attempt=self.attempt, message=_STOPPED_MID_EXCHANGE)
             head_too_large = exc.code is Code.RESULT_TOO_LARGE and not exc.headers_received
             return _Settled(failure=exc, attempt=self.attempt, message=_HEAD_TOO_LARGE if head_too_large else None)
