@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from sqlalchemy import LargeBinary, String, and_, cast, distinct, exists, func, inspect, not_, or_, select
 from sqlalchemy.engine import make_url
@@ -752,13 +752,10 @@ async def _records_without_events(conn: AsyncConnection, tables: set[str], raw: 
         return []
     inv = invocations_table.c.invocation_id
     query = select(cast(inv, LargeBinary) if raw else inv).where(~exists().where(events.c.invocation_id == inv)).order_by(inv)
-    ids = [bytes(i).decode("utf-8", "replace") if raw else i for (i,) in (await conn.execute(query)).all()]
-    if not ids:
-        return []
-    return [Break(Damage.DELETED, None, None, ids[0], None,
-                  f"{len(ids)} invocation record(s) ({_named(ids)}) have no events at all: every record starts with an "
-                  "event written with it, so their events were removed (a whole chain and its checkpoints, say, which "
-                  "leaves the other chains intact; an outside checkpoint file names the chain)")]
+    return await _deleted(conn, query, raw, lambda ids: (
+        f"{len(ids)} invocation record(s) ({_named(ids)}) have no events at all: every record starts with an event "
+        "written with it, so their events were removed (a whole chain and its checkpoints, say, which leaves the "
+        "other chains intact; an outside checkpoint file names the chain)"))
 
 
 async def _events_without_records(conn: AsyncConnection, tables: set[str], raw: bool) -> list[Break]:
@@ -771,13 +768,17 @@ async def _events_without_records(conn: AsyncConnection, tables: set[str], raw: 
     ev = events.c.invocation_id
     query = (select(cast(ev, LargeBinary) if raw else ev).distinct()
              .where(~exists().where(invocations_table.c.invocation_id == ev)).order_by(ev))
+    return await _deleted(conn, query, raw, lambda ids: (
+        f"{len(ids)} invocation(s) ({_named(ids)}) have events in the chain but no record row: every event is written "
+        "with its invocation's row, so the row was removed, and `invocations show` and the side API no longer know the "
+        "invocation; its events say what it was (`audit export`)"))
+
+
+async def _deleted(conn: AsyncConnection, query: Any, raw: bool, detail: Callable[[list[str]], str]) -> list[Break]:
+    """One ``deleted`` break naming the invocation ids ``query`` finds (the first as its position),
+    or none."""
     ids = [bytes(i).decode("utf-8", "replace") if raw else i for (i,) in (await conn.execute(query)).all()]
-    if not ids:
-        return []
-    return [Break(Damage.DELETED, None, None, ids[0], None,
-                  f"{len(ids)} invocation(s) ({_named(ids)}) have events in the chain but no record row: every event "
-                  "is written with its invocation's row, so the row was removed, and `invocations show` and the side "
-                  "API no longer know the invocation; its events say what it was (`audit export`)")]
+    return [Break(Damage.DELETED, None, None, ids[0], None, detail(ids))] if ids else []
 
 
 async def _results_not_chained(conn: AsyncConnection, tables: set[str], raw: bool) -> list[Break]:
