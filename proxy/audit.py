@@ -154,6 +154,9 @@ class AuditResult:
     checkpoints: int = 0
     #: The first break of each broken chain (by writer name), then invocation-level breaks.
     breaks: list[Break] = field(default_factory=list)
+    #: The SQLite file was read as immutable: it could not be opened for shared reading (a
+    #: read-only file system or directory), so a -wal file beside it went unread.
+    read_immutable: bool = False
 
     @property
     def ok(self) -> bool:
@@ -475,15 +478,20 @@ async def _snapshot(url: str) -> AsyncIterator[tuple[AsyncConnection, set[str], 
     engine = create_async_engine(url, connect_args=connect_args(url))
     try:
         try:
-            conn = await engine.connect()
-            raw = conn.dialect.name == "sqlite"
-            if raw:
-                await conn.exec_driver_sql("BEGIN")  # the driver opens none for a SELECT
-            else:
-                await conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
-            tables = await conn.run_sync(lambda c: set(inspect(c).get_table_names()))
+            conn, tables = await _open_snapshot(engine)
         except (SQLAlchemyError, OSError) as exc:
-            raise AuditInputError(f"{where}: the journal could not be read ({brief(exc)})") from None
+            if (immutable := _immutable_url(url, exc)) is None:
+                raise AuditInputError(f"{where}: the journal could not be read ({brief(exc)})") from None
+            # A journal on a read-only file system, or in a directory this user cannot write:
+            # SQLite cannot make the shared-memory file a WAL reader needs; read the file as it is.
+            await engine.dispose()
+            engine = create_async_engine(immutable)
+            try:
+                conn, tables = await _open_snapshot(engine)
+            except (SQLAlchemyError, OSError):
+                raise AuditInputError(f"{where}: the journal could not be read ({brief(exc)})") from None
+            conn.info[IMMUTABLE] = True
+        raw = conn.dialect.name == "sqlite"
         try:
             if "events" not in tables:
                 raise AuditInputError("this database has no events table; is it an Affidavit journal? (`affidavit db upgrade`)")
@@ -495,6 +503,41 @@ async def _snapshot(url: str) -> AsyncIterator[tuple[AsyncConnection, set[str], 
                 await conn.close()  # rolls the read transaction back
     finally:
         await engine.dispose()
+
+
+#: Set in a snapshot connection's ``info`` when the SQLite file was read as immutable (see _snapshot).
+IMMUTABLE = "affidavit_immutable"
+
+
+async def _open_snapshot(engine: Any) -> tuple[AsyncConnection, set[str]]:
+    conn = await engine.connect()
+    try:
+        if conn.dialect.name == "sqlite":
+            await conn.exec_driver_sql("BEGIN")  # the driver opens none for a SELECT
+        else:
+            await conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
+        tables = await conn.run_sync(lambda c: set(inspect(c).get_table_names()))
+    except BaseException:
+        with suppress(SQLAlchemyError, OSError):
+            await conn.close()
+        raise
+    return conn, tables
+
+
+def _immutable_url(url: str, exc: BaseException) -> str | None:
+    """The URL that reads the SQLite journal at ``url`` as an immutable file, when ``exc`` says it
+    could not be opened for shared reading (a read-only file system or directory); else None."""
+    from urllib.parse import quote
+
+    from .store.migrate import sqlite_file
+
+    said = str(exc).lower()
+    if (database := sqlite_file(url)) is None or not ("readonly" in said or "unable to open database file" in said):
+        return None
+    path = Path(database).absolute()
+    if not path.is_file():
+        return None
+    return f"sqlite+aiosqlite:///file:{quote(str(path))}?immutable=1&uri=true"
 
 
 async def _read_marks(conn: AsyncConnection, tables: set[str]) -> list[dict[str, Any]]:
@@ -721,6 +764,7 @@ async def _verify_live(url: str, extra: list[Row]) -> AuditResult:
         result = AuditResult(
             events=walk.events, writers=len(walk.writers), invocations=invocations,
             checkpoints=len({(str(m["writer"]), int(m["writer_seq"]), str(m["hash"])) for m in marks}),
+            read_immutable=bool(conn.info.get(IMMUTABLE)),
         )
         beyond = [*await _records_without_events(conn, tables, raw), *await _events_without_records(conn, tables, raw),
                   *await _results_not_chained(conn, tables, raw)]

@@ -193,6 +193,12 @@ def audit_verify(
                    f"one knows up to {newer[1]}): events it stores in a form this version does not know can read as damage "
                    "here, and damage in such a form can go unseen. Verify with the version that runs the brokers.",
                    err=True)
+    if result.read_immutable:
+        typer.echo(f"affidavit: warning: {source} could not be opened for shared reading (a read-only file system, or a "
+                   "directory this user cannot write), so it was read as an immutable file: a -wal file beside it, if "
+                   "any, was not read, and neither are writes a broker makes meanwhile. For a journal a broker still "
+                   "writes, verify a copy (`sqlite3 DB .backup FILE`) or verify as a user who can write its directory.",
+                   err=True)
     counts = (
         f"{result.events} event(s) in {result.writers} writer chain(s), {result.invocations} invocation(s), "
         f"{result.checkpoints} checkpoint(s)"

@@ -733,3 +733,34 @@ def test_a_database_that_accepts_but_never_answers_is_given_up_on_in_seconds(tmp
         assert time.monotonic() - started < 2 * migrate.CONNECT_TIMEOUT + 10
     finally:
         listener.close()
+
+
+def test_a_journal_in_a_directory_the_auditor_cannot_write_is_still_verified(request, tmp_path):
+    """SQLite needs to create a WAL reader's shared-memory file beside the journal: on a read-only
+    file system, or in a directory the auditor cannot write, `audit verify` failed with "attempt to
+    write a readonly database" (exit 2), though anyone with read access should be able to check
+    (found by a probe). It now reads the file as immutable, and says so. The auditor here is root
+    without CAP_DAC_OVERRIDE (setpriv), as a user without write access is."""
+    import shutil
+
+    assert shutil.which("setpriv"), "setpriv (util-linux) is needed to drop root's override of file permissions"
+    directory = tmp_path / "readonly"
+    directory.mkdir()
+    url = database_url("sqlite", directory, request, migrated=True)  # directory / journal.db
+    asyncio.run(write_journal(url))
+    for leftover in directory.glob("journal.db-*"):
+        leftover.unlink()  # a cleanly closed journal: everything is in the main file
+    (directory / "journal.db").chmod(0o444)
+    directory.chmod(0o555)
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AFFIDAVIT_")}
+        done = subprocess.run(
+            ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", sys.executable, "-c",
+             "from proxy.cli_security import audit_app; audit_app(prog_name='affidavit')", "verify", "--database", url],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    finally:
+        directory.chmod(0o755)
+    assert done.returncode == 0, done.stdout + done.stderr
+    total = len(WRITERS) * INVOCATIONS_PER_WRITER * EVENTS_PER_INVOCATION
+    assert f"audit chain intact in {url}: {total} event(s)" in done.stdout, done.stdout + done.stderr
+    assert "could not be opened for shared reading" in done.stderr and "read as an immutable file" in done.stderr

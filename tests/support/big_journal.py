@@ -68,17 +68,36 @@ def mark(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def insert(url: str, rows: Iterable[dict[str, Any]], marks: Callable[[], list[dict[str, Any]]] = list, batch: int = 20_000) -> None:
-    """Store ``rows`` as they come, then the checkpoints ``marks()`` returns (after the rows)."""
+    """Store ``rows`` as they come, each invocation's record row with its first event (as the
+    broker writes them, in one transaction: ``audit verify`` reports events without a record),
+    then the checkpoints ``marks()`` returns (after the rows)."""
     sink = _sqlite_sink(url) if url.startswith("sqlite") else _pg_sink(url)
     next(sink)
     pending: list[dict[str, Any]] = []
     for row in rows:
         pending.append(row)
         if len(pending) >= batch:
-            sink.send((pending, []))
+            sink.send((pending, _records(pending), []))
             pending = []
-    sink.send((pending, marks()))
+    sink.send((pending, _records(pending), marks()))
     sink.close()
+
+
+INVOCATION_COLUMNS = ("invocation_id", "created_at", "updated_at", "agent", "route", "method", "target", "fingerprint",
+                      "idempotent", "remote_contract", "stage", "phase", "outcome", "caller_disposition",
+                      "dispatch_started", "last_seq", "owner", "generation", "attempts_used", "retry_budget", "replays")
+
+
+def _records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The record row of each invocation whose first event is among ``rows`` (a delivered one:
+    ``audit verify`` reads no projection column, only that the row is there)."""
+    return [{"invocation_id": r["invocation_id"], "created_at": r["at"], "updated_at": r["at"], "agent": "builder",
+             "route": "payments.create", "method": "POST", "target": "https://api.payments.test:443/v1/charges",
+             "fingerprint": "sha256:" + "0" * 64, "idempotent": False, "remote_contract": False, "stage": "delivered",
+             "phase": "result_delivery", "outcome": "committed", "caller_disposition": "completed",
+             "dispatch_started": True, "last_seq": len(KINDS), "owner": r["writer"], "generation": 0,
+             "attempts_used": 1, "retry_budget": 3, "replays": 0}
+            for r in rows if r["seq"] == 1]
 
 
 def _sqlite_sink(url: str):
@@ -86,10 +105,13 @@ def _sqlite_sink(url: str):
     try:
         columns = ", ".join(EVENT_COLUMNS)
         while True:
-            rows, marks = yield
+            rows, records, marks = yield
             # Times as SQLAlchemy stores them on SQLite (no zone; read back as UTC).
             conn.executemany(f"INSERT INTO events ({columns}) VALUES ({', '.join('?' * len(EVENT_COLUMNS))})",
                              [tuple(_sqlite_time(r[c]) if c == "at" else r[c] for c in EVENT_COLUMNS) for r in rows])
+            conn.executemany(
+                f"INSERT INTO invocations ({', '.join(INVOCATION_COLUMNS)}) VALUES ({', '.join('?' * len(INVOCATION_COLUMNS))})",
+                [tuple(_sqlite_time(r[c]) if c.endswith("_at") else r[c] for c in INVOCATION_COLUMNS) for r in records])
             conn.executemany("INSERT INTO chain_checkpoints (writer, writer_seq, hash, at) VALUES (?, ?, ?, ?)",
                              [(m["writer"], m["writer_seq"], m["hash"], _sqlite_time(m["at"])) for m in marks])
             conn.commit()
@@ -112,9 +134,13 @@ def _pg_sink(url: str):
                                                    password=parsed.password, database=parsed.database))
     try:
         while True:
-            rows, marks = yield
+            rows, records, marks = yield
             loop.run_until_complete(conn.copy_records_to_table(
                 "events", columns=list(EVENT_COLUMNS), records=[tuple(r[c] for c in EVENT_COLUMNS) for r in rows]))
+            if records:
+                loop.run_until_complete(conn.copy_records_to_table(
+                    "invocations", columns=list(INVOCATION_COLUMNS),
+                    records=[tuple(r[c] for c in INVOCATION_COLUMNS) for r in records]))
             if marks:
                 loop.run_until_complete(conn.copy_records_to_table(
                     "chain_checkpoints", columns=["writer", "writer_seq", "hash", "at"],
