@@ -226,6 +226,17 @@ MAX_CHUNK_LINE = 4096
 LINGER = 10.0
 
 
+def connection_handler(client: Client) -> Any:
+    """mitmproxy's handler of the agent's connection ``client``; None once it is gone (or with no
+    master, or one without a proxyserver)."""
+    try:
+        from mitmproxy import ctx
+
+        return ctx.master.addons.get("proxyserver").connections.get(client.id)
+    except Exception:
+        return None
+
+
 def install_core_refusals(body_limit: int, clocks: "RequestClocks | None" = None) -> None:
     """Make the refusals mitmproxy sends itself, before any hook runs, envelopes like every
     other: HTTP it cannot parse (400) and a body over its ``body_size_limit`` (413).
@@ -362,14 +373,6 @@ def install_core_refusals(body_limit: int, clocks: "RequestClocks | None" = None
                 except SSL.Error:
                     return b""
         return b""
-
-    def connection_handler(client: Client) -> Any:
-        try:
-            from mitmproxy import ctx
-
-            return ctx.master.addons.get("proxyserver").connections.get(client.id)
-        except Exception:  # no master, or one without a proxyserver
-            return None
 
     def close_lingering(conn: "weakref.ref[Client]") -> None:
         client = conn()

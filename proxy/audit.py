@@ -278,10 +278,10 @@ class _Elsewhere:
 class _Chain:
     """One writer's rows, indexed by stored position and by the hashes they link."""
 
-    def __init__(self, writer: str, rows: list[Row], invocations: _Invocations, elsewhere: _Elsewhere | None = None):
+    def __init__(self, writer: str, rows: list[Row], invocations: _Invocations, elsewhere: _Elsewhere):
         self.writer = writer
         self.invocations = invocations
-        self.elsewhere = elsewhere if elsewhere is not None else _Elsewhere(rows, {writer})
+        self.elsewhere = elsewhere
         by_ws: dict[int, list[Row]] = defaultdict(list)
         by_prev: dict[str, list[Row]] = defaultdict(list)
         by_hash: dict[str, list[Row]] = defaultdict(list)

@@ -67,7 +67,7 @@ from mitmproxy.proxy.layers.http._http1 import Http1Server
 from mitmproxy.proxy.layers.http._http2 import StreamState
 
 from . import metrics
-from .addon import _refusal
+from .addon import _refusal, connection_handler
 from .contract import Code, Retry
 from .logs import LogThrottle
 
@@ -198,12 +198,7 @@ class RequestClocks:
         layer = ref()
         if layer is None or not self._running(layer, clock):
             return
-        try:
-            from mitmproxy import ctx
-
-            handler = ctx.master.addons.get("proxyserver").connections.get(layer.conn.id)
-        except Exception:  # no master, or one without a proxyserver: nothing to deliver to
-            handler = None
+        handler = connection_handler(layer.conn)
         if handler is None:
             return  # the connection is gone
         stack = layer.context.layers
