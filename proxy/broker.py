@@ -322,7 +322,7 @@ class _Exchange:
             # DISPATCH_STARTED write is refused and nothing is sent.
             await self._commit_fenced()
         except JournalUnavailable as exc:
-            raise DispatchRefused(Code.JOURNAL_UNAVAILABLE, str(exc)) from None
+            raise DispatchRefused(Code.JOURNAL_UNAVAILABLE, str(exc), unsent=exc.unsent) from None
         except LeaseLost:
             raise DispatchRefused(Code.LEASE_LOST, "the lease for this re-send was lost before dispatch") from None
         metrics.DISPATCH_RECORD.observe(time.perf_counter() - started)
@@ -615,7 +615,7 @@ class Broker:
         scope = route.idempotency.scope if route.idempotency else route.name
         if key is not None and not generated:
             try:
-                existing = await _read(leases.find_keyed(self.journal.engine, req.agent, scope, key))
+                existing = await _read(leases.find_keyed(self.journal.engine, req.agent, scope, key), self.journal.timeout)
             except _Unreadable as exc:
                 return self._unreadable(exc)
             if existing is not None:
@@ -629,7 +629,7 @@ class Broker:
                 await entry.commit(claim=True)
             except IdempotencyConflict:
                 try:
-                    existing = await _read(leases.find_keyed(self.journal.engine, req.agent, scope, key))
+                    existing = await _read(leases.find_keyed(self.journal.engine, req.agent, scope, key), self.journal.timeout)
                 except _Unreadable as exc:
                     return self._unreadable(exc)
                 if existing is None:
@@ -880,7 +880,7 @@ class Broker:
         self, row: dict[str, Any], req: AgentRequest, route: Route, request_fingerprint: str, key: str
     ) -> Reply:
         for _ in range(3):
-            _, events = await _read(queries.events_of(self.journal.engine, row["invocation_id"], self.journal.decode_payload))
+            _, events = await _read(queries.events_of(self.journal.engine, row["invocation_id"], self.journal.decode_payload), self.journal.timeout)
             record = project(events)
             if record.stage in (Stage.HELD, Stage.APPROVED):
                 return await self._repeat_held(row, record, req, route, request_fingerprint, key)
@@ -923,9 +923,9 @@ class Broker:
                     "Reconcile it or ask an operator.",
                 )
             until = now + timedelta(seconds=self.settings.proxy.retry_lease)
-            if await _read(leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until)):
+            if await _read(leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until), self.journal.timeout):
                 return await self._reattempt(row, record, req, route, key, until)
-            row = await _read(queries.invocation(self.journal.engine, row["invocation_id"])) or row
+            row = await _read(queries.invocation(self.journal.engine, row["invocation_id"]), self.journal.timeout) or row
         return self._repeat_envelope(
             row, None, Code.IDEMPOTENCY_IN_PROGRESS,
             f"Invocation {row['invocation_id']} is being retried elsewhere. Nothing was sent. Ask again later.",
@@ -948,10 +948,10 @@ class Broker:
         earlier_self = (holder != self.owner and holder.rpartition("/")[0] == self.owner.rpartition("/")[0]
                         and self.earlier_incarnation_dead(holder))
         holder_alive = not earlier_self and await _read(
-            leases.owner_alive(self.journal.engine, holder, self.settings.recovery.stale_after))
+            leases.owner_alive(self.journal.engine, holder, self.settings.recovery.stale_after), self.journal.timeout)
         now = utcnow()
         until = now + timedelta(seconds=max(self.settings.proxy.retry_lease, route.approval_timeout))
-        if holder_alive or not await _read(leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until)):
+        if holder_alive or not await _read(leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until), self.journal.timeout):
             if record.stage is Stage.APPROVED:
                 message = (f"Invocation {row['invocation_id']} is approved, and a running broker process that holds it "
                            "is about to send it. Nothing was sent for this request. Ask again later, or GET "
@@ -987,7 +987,7 @@ class Broker:
 
     async def _replay(self, row: dict[str, Any], record: Record) -> Reply:
         """Serve the recorded result again; the upstream is not contacted."""
-        stored = await _read(queries.stored_result(self.journal.engine, row["invocation_id"], self.journal.decode_result))
+        stored = await _read(queries.stored_result(self.journal.engine, row["invocation_id"], self.journal.decode_result), self.journal.timeout)
         if stored is None and record.reconciled_outcome is not None:
             return self._repeat_envelope(
                 row, record, Code.RESULT_UNAVAILABLE,
@@ -1347,7 +1347,7 @@ class Broker:
             self._spawn(self._repair(entry, settled.response.status, handed))
             return reply
         if settled.refused is not None and settled.refused.code is Code.JOURNAL_UNAVAILABLE:
-            return self._journal_unavailable(entry)
+            return self._journal_unavailable(entry, unsent=settled.refused.unsent)
         if settled.refused is not None and settled.refused.code is Code.LEASE_LOST:
             return self._lease_lost(entry, refused_dispatch=True)  # only dispatch() refuses so: its own write
         self._end(entry, settled, answered=True)
@@ -1664,18 +1664,22 @@ class Broker:
                    (OUTCOME_HEADER, outcome.value), *should_retry(Retry.BACKOFF)]
         return Reply(status_for(Code.LEASE_LOST), headers, encode(body), entry.invocation_id)
 
-    def _journal_unavailable(self, entry: InvocationLog | None = None, message: str | None = None) -> Reply:
+    def _journal_unavailable(self, entry: InvocationLog | None = None, message: str | None = None, *,
+                             unsent: bool = False) -> Reply:
         """Nothing was sent because the journal refused a write. ``entry``: the invocation, if
         part of its record is already durable (a bound key): the answer names it, and the broker
-        ends that record once the journal takes writes again."""
+        ends that record once the journal takes writes again. ``unsent``: the refused write never
+        went to the database (it cannot have landed)."""
         invocation_id = entry.invocation_id if entry is not None and entry.durable else None
         if entry is not None:  # even a failed commit may have landed: look once the journal answers
             self._in_background(self._close_when_journal_returns(entry))
-        # This attempt's DISPATCH_STARTED was the write refused, and may have landed.
-        unconfirmed = entry is not None and entry.record.stage is Stage.DISPATCHED
+        # This attempt's DISPATCH_STARTED was the write refused, and may have landed (unless it was
+        # refused unsent).
+        refused_dispatch = entry is not None and entry.record.stage is Stage.DISPATCHED
+        unconfirmed = refused_dispatch and not unsent
         # A re-send's earlier attempts were dispatched: this one sent nothing, but the invocation
         # stays unknown (as with _lease_lost: only earlier dispatches count, never the refused one).
-        earlier = entry.record.dispatch_count - (1 if unconfirmed else 0) if entry is not None else 0
+        earlier = entry.record.dispatch_count - (1 if refused_dispatch else 0) if entry is not None else 0
         outcome = Outcome.UNKNOWN if earlier > 0 and invocation_id is not None else Outcome.NOT_ATTEMPTED
         if message is None and outcome is Outcome.UNKNOWN:
             message = (f"The broker cannot write its journal, so this attempt sent nothing (it never forwards without a "
@@ -2097,10 +2101,13 @@ class _Unreadable(Exception):
         self.why = why
 
 
-async def _read(awaitable: Awaitable[T]) -> T:
-    """``await awaitable``, a journal read; any failure of it becomes :class:`_Unreadable`."""
+async def _read(awaitable: Awaitable[T], within: float) -> T:
+    """``await awaitable``, a journal read bounded by ``within`` seconds in all (a wait for a
+    pooled connection, a new connection, the query: a stalled database gets no more time by
+    stalling each in turn); any failure of it becomes :class:`_Unreadable`."""
     try:
-        return await awaitable
+        async with asyncio.timeout(within):
+            return await awaitable
     except DecryptError as exc:
         raise _Unreadable(f"the record cannot be decrypted: {exc}", "decrypt") from exc
     except UnreadableRecord as exc:

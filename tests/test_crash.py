@@ -1461,3 +1461,46 @@ def test_a_stopping_broker_waits_also_for_requests_that_began_after_it_first_loo
         waited_for_late, took = asyncio.run(scenario())
     assert waited_for_late and took < 2, took
     assert "still being handled" not in caplog.text
+
+
+def test_a_stalled_journal_refuses_within_its_timeout(relayed_pg, make_broker, upstream):
+    """A database that takes connections and never answers (a hung host, a commit waiting for a
+    synchronous standby that is gone): each agent gets JOURNAL_UNAVAILABLE within the journal's
+    timeout (5 s, docs/operations.md), whatever the request had to read or write first: a keyed
+    request looks its key up and binds it before its DISPATCH_STARTED (a small pool: its lookups
+    wait for a connection, then for a new one, then for the query), and requests queue behind a
+    batch that is already stalled. Before, they waited 11-37 s. Nothing is sent."""
+    url, relay = relayed_pg
+    broker = _start_on(make_broker, upstream, url, database={"pool_size": 1})
+    assert post(broker, SAFE + "/h/ok", f"warm-{time.monotonic_ns()}").status_code == 200
+    relay.blackhole()
+    try:
+        def timed(i: int) -> tuple[float, httpx.Response]:
+            began = time.monotonic()
+            if i % 2:
+                response = post(broker, SAFE + "/h/ok", f"stall-{i}-{time.monotonic_ns()}", timeout=60)
+            else:
+                with broker.client(timeout=60) as client:
+                    response = client.post(CRASH + "/h/ok", content=b"{}")
+            return time.monotonic() - began, response
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(timed, range(12)))
+        began = time.monotonic()
+        ready = httpx.get(broker.api_url + "/readyz", timeout=30)
+        readyz_took = time.monotonic() - began
+        began = time.monotonic()
+        code = broker.stop(timeout=60)
+        stop_took = time.monotonic() - began
+    finally:
+        relay.restore()
+    print(f"readyz {readyz_took:.1f} stop {stop_took:.1f}")
+    assert (ready.status_code, ready.json()) == (503, {"status": "unavailable", "journal": "unreachable"})
+    assert readyz_took < 4.5, f"/readyz took {readyz_took:.1f} s (docs/api.md: 3 s)"
+    assert code == 0 and stop_took < 12, f"a stop with a stalled journal took {stop_took:.1f} s (docs/operations.md: ~10 s)"
+    for took, response in answers:
+        body = check_envelope(response.content)
+        assert (response.status_code, body["error"]["code"]) == (503, "JOURNAL_UNAVAILABLE"), body
+        print(f"{took:.1f}")
+    assert max(took for took, _ in answers) < 7.0, [(round(t, 1), r.request.headers.get("idempotency-key", "")[:5]) for t, r in answers]
+    assert upstream.effects == 1, "only the first request, before the stall, was sent"

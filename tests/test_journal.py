@@ -22,7 +22,9 @@ from proxy.invocation_log import Identity, InvocationLog, new_invocation_id
 from proxy.store import queries
 from proxy.store.journal import GENESIS, EventRow, Journal, JournalUnavailable, LeaseLost, Write, canonical_time, chain_hash, make_engine
 from proxy.store.schema import events, invocations
+from tests.conftest import database_url
 from tests.support.hostile import free_port
+from tests.support.relay import TcpRelay
 
 
 def identity(**overrides) -> Identity:
@@ -381,6 +383,41 @@ def test_an_unreachable_database_fails_fast_and_a_later_write_of_the_same_invoca
     elapsed, healthy = asyncio.run(scenario())
     assert elapsed < 5
     assert not healthy
+
+
+def test_writes_queued_behind_a_batch_the_database_does_not_answer_are_refused_unsent(request, tmp_path):
+    """A database that stalls (takes the bytes, never answers): the batch on its way fails after
+    the timeout, maybe landed; the writes queued behind it fail with it, unsent, instead of waiting
+    for a batch of their own that would stall as long again. Lazy rows nobody waits for stay."""
+    server = make_url(database_url("postgresql", tmp_path, request, migrated=True))
+
+    async def scenario(relay: TcpRelay) -> None:
+        engine = make_engine(server.set(host="127.0.0.1", port=relay.listen_port).render_as_string(hide_password=False),
+                             timeout=1.0)
+        journal = Journal(engine, writer="w1", timeout=1.0, linger=30.0)
+        await journal.start()
+        await _accepted(journal).commit()  # connected
+        relay.blackhole()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        on_its_way = _accepted(journal).submit()
+        await asyncio.sleep(0.3)  # taken into a batch that stalls
+        queued = [_accepted(journal).submit() for _ in range(3)]
+        lazy = _accepted(journal).submit(lazy=True)
+        results = await asyncio.gather(on_its_way, *queued, return_exceptions=True)
+        took = loop.time() - started
+        assert all(isinstance(r, JournalUnavailable) for r in results), results
+        assert not results[0].unsent, "the stalled batch's own write may have landed"
+        assert all(r.unsent for r in results[1:]), [str(r) for r in results[1:]]
+        assert took < 1.9, f"the queued writes waited for a batch of their own ({took:.1f} s)"
+        assert not lazy.done() and journal._queue, "a lazy write stays for the next batch"
+        relay.restore()
+        await journal.close()
+        assert lazy.done() and lazy.exception() is None, "written at the close, once the database answered"
+        await engine.dispose()
+
+    with TcpRelay(server.host or "127.0.0.1", server.port or 5432) as relay:
+        asyncio.run(scenario(relay))
 
 
 async def _error_of(engine: AsyncEngine, *statements: str) -> BaseException:

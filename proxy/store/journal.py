@@ -57,7 +57,14 @@ FAILURE_LOG_EVERY = 10.0
 DEFER_AT_MOST = 0.005
 
 class JournalUnavailable(Exception):
-    """The journal could not make the rows durable (database down, read-only, too slow)."""
+    """The journal could not make the rows durable (database down, read-only, too slow).
+
+    ``unsent``: the rows never went to the database (refused while still queued), so they are
+    known not written; otherwise a write that failed may still have landed unconfirmed."""
+
+    def __init__(self, message: str, *, unsent: bool = False):
+        super().__init__(message)
+        self.unsent = unsent
 
 
 class LeaseLost(Exception):
@@ -508,25 +515,29 @@ class Journal:
             self.errors += 1
             metrics.JOURNAL_ERRORS.inc()
             was_healthy, self.healthy = self.healthy, False
-            await self._drop_connection()
             self._rotate_chain()
-            now = time.monotonic()
-            if was_healthy or now - self._failure_logged_at >= FAILURE_LOG_EVERY:
-                since = (f" ({self._failures_unlogged} more failed batch(es) since the last such line)"
-                         if self._failures_unlogged else "")
-                log.warning(
-                    "journal write failed; %d write(s) not recorded: %s. Requests waiting on them were refused "
-                    "(JOURNAL_UNAVAILABLE, nothing sent) or, for a result, delivered flagged RESULT_STORE_FAILED and "
-                    "written later; the next write tries a new connection. Operators: check the database.%s",
-                    len(live), brief(exc), since,
-                )
-                self._failure_logged_at, self._failures_unlogged = now, 0
-            else:
-                self._failures_unlogged += 1
+            # The callers first: dropping a connection to a database that does not answer takes
+            # its own bounded wait.
             error = JournalUnavailable(brief(exc))
             for w in live:
                 if not w.future.done():  # type: ignore[union-attr]
                     w.future.set_exception(error)  # type: ignore[union-attr]
+            behind = self._refuse_queued() if isinstance(exc, TimeoutError) else 0
+            now = time.monotonic()
+            if was_healthy or now - self._failure_logged_at >= FAILURE_LOG_EVERY:
+                since = (f" ({self._failures_unlogged} more failed batch(es) since the last such line)"
+                         if self._failures_unlogged else "")
+                queued = f", and {behind} queued behind it were refused unsent" if behind else ""
+                log.warning(
+                    "journal write failed; %d write(s) not recorded%s: %s. Requests waiting on them were refused "
+                    "(JOURNAL_UNAVAILABLE, nothing sent) or, for a result, delivered flagged RESULT_STORE_FAILED and "
+                    "written later; the next write tries a new connection. Operators: check the database.%s",
+                    len(live), queued, brief(exc), since,
+                )
+                self._failure_logged_at, self._failures_unlogged = now, 0
+            else:
+                self._failures_unlogged += 1
+            await self._drop_connection()
             return
         if not self.healthy:
             log.warning("journal writes work again (%d failed batch(es) so far); requests are served", self.errors)
@@ -540,6 +551,26 @@ class Journal:
                 w.future.set_exception(refused[id(w)])  # type: ignore[union-attr]
             else:
                 w.future.set_result(None)  # type: ignore[union-attr]
+
+    def _refuse_queued(self) -> int:
+        """After a batch the database did not answer within the timeout: the writes queued behind
+        it have waited about as long, and a new batch would wait as long again, so they are
+        refused now, unsent (a stalled database answers every caller within the timeout, not
+        once per batch ahead of it). Lazy writes, which nobody waits for, stay for the next.
+        Returns how many were refused."""
+        error = JournalUnavailable(
+            f"the journal did not answer within {self.timeout:g} s, and this write, queued behind one it did not "
+            "answer, was not sent to it", unsent=True)
+        kept: deque[Write] = deque()
+        refused = 0
+        for w in self._queue:
+            if w.lazy:
+                kept.append(w)
+            elif w.future is not None and not w.future.done():
+                w.future.set_exception(error)
+                refused += 1
+        self._queue = kept
+        return refused
 
     async def _write(self, batch: list[Write]) -> dict[int, Exception]:
         if self._sqlite_writer is not None:
