@@ -34,7 +34,7 @@ from .deadlines import RequestClocks
 from .crypto import KeyRing
 from .failpoints import failpoint
 from .recovery import Recovery
-from .store import migrate
+from .store import migrate, queries
 from .store.journal import Journal, brief, make_engine
 from .store.reads import ResultReader
 from .upstream import Upstream
@@ -120,6 +120,9 @@ def prepare_database(settings: Settings, *, nothing: str = "Nothing was started"
     if (problem := migrate.sqlite_file_problem(settings.database.url)) is not None:
         raise StartupError(f"database.url {redact_url(settings.database.url)}: {problem}. {nothing}; fix database.url, "
                            f"then {then}.")
+    if (problem := migrate.sqlite_unwritable(settings.database.url)) is not None:
+        raise StartupError(f"database.url {redact_url(settings.database.url)}: {problem}. {nothing}; give this user "
+                           f"write access there, or point database.url at a file it can write, then {then}.")
     if (database := migrate.sqlite_file(settings.database.url)) is not None and _empty_file(Path(database)):
         # SQLite takes an empty file for a new database: a journal truncated to nothing (a full
         # disk at a copy, a bad restore) would be replaced by a new one without a word.
@@ -135,8 +138,8 @@ def prepare_database(settings: Settings, *, nothing: str = "Nothing was started"
         raise
     except Exception as exc:  # the database cannot be reached or used: one line, not a traceback
         raise StartupError(
-            f"database.url {redact_url(settings.database.url)}: {brief(exc)}. {nothing}; check that the "
-            f"database is up and reachable with this URL, then {then}."
+            f"database.url {redact_url(settings.database.url)}: {brief(exc)}. {nothing}; {queries.what_to_check(exc)}, "
+            f"then {then}."
         ) from None
     if current != migrate.head():
         raise ConfigError(

@@ -916,3 +916,47 @@ def test_an_empty_journal_file_is_started_on_with_a_warning_that_says_what_it_me
         prepare_database(settings)
     assert "the file is empty (0 bytes), so a new, empty journal starts in it" in caplog.text
     assert "restore the file from a backup" in caplog.text
+
+
+@pytest.mark.parametrize("journal", ["none yet, in a directory it cannot write", "a file it cannot write",
+                                     "a file in a directory it cannot write"])
+def test_a_sqlite_journal_the_broker_cannot_write_stops_the_start_and_says_why(tmp_path, journal):
+    """Before, a read-only journal file started a broker that refused every request (readiness
+    said "unreachable"), and a new one in a read-only directory said to check that the database
+    is up and reachable. The broker is root without CAP_DAC_OVERRIDE (setpriv), as a user without
+    write access is."""
+    import os
+    import shutil
+
+    assert shutil.which("setpriv"), "setpriv (util-linux) is needed to drop root's override of file permissions"
+    directory = tmp_path / "journal"
+    directory.mkdir()
+    url = f"sqlite+aiosqlite:///{directory / 'affidavit.db'}"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("AFFIDAVIT_")}, "AFFIDAVIT_DATABASE__URL": url}
+    proxy_port, api_port = free_ports(2)
+    env |= {"AFFIDAVIT_PROXY__LISTEN": f"127.0.0.1:{proxy_port}", "AFFIDAVIT_API__LISTEN": f"127.0.0.1:{api_port}"}
+    if journal != "none yet, in a directory it cannot write":
+        assert subprocess.run([AFFIDAVIT, "db", "upgrade"], capture_output=True, timeout=60, cwd=tmp_path, env=env).returncode == 0
+        for leftover in directory.glob("affidavit.db-*"):
+            leftover.unlink()
+    if "a file" in journal:
+        (directory / "affidavit.db").chmod(0o444)
+    if "directory" in journal:
+        directory.chmod(0o555)
+    try:
+        done = subprocess.run(["setpriv", "--bounding-set", "-dac_override,-dac_read_search", AFFIDAVIT, "run"],
+                              capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    finally:
+        directory.chmod(0o755)
+    assert done.returncode == 1, done.stdout + done.stderr
+    said = {
+        "none yet, in a directory it cannot write": f"the directory {directory} is not writable by this user (uid 0), so "
+                                                    "the journal cannot be created there",
+        "a file it cannot write": f"the journal file {directory / 'affidavit.db'} is not readable and writable by this "
+                                  "user (uid 0)",
+        "a file in a directory it cannot write": f"the directory {directory} is not writable by this user (uid 0), so "
+                                                 "the journal cannot keep its -wal and -shm files beside it",
+    }[journal]
+    assert f"affidavit: cannot start: database.url {url}: {said}. Nothing was started; give this user write access" in done.stderr, done.stderr
+    assert "proxy listening" not in done.stdout and "Traceback" not in done.stderr
+    assert journal != "none yet, in a directory it cannot write" or not list(directory.iterdir()), "nothing was created"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import sqlite3
@@ -488,6 +489,32 @@ def test_only_errors_that_mean_the_database_is_away_are_unreachable(db, tmp_path
     answered, away = asyncio.run(scenario())
     assert [e for e in answered if queries.unreachable(e)] == []
     assert [e for e in away if not queries.unreachable(e)] == []
+
+
+def test_a_full_or_read_only_journal_says_so_and_what_to_do(db, tmp_path):
+    """What to check, for the failures that are no outage of the server: a full disk and a journal
+    this broker may not write. Before, both said to check that the database is up and reachable."""
+    async def scenario() -> list[BaseException]:
+        engine = make_engine(db)
+        if db.startswith("postgresql"):  # a standby (or a read-only role) refuses writes so
+            read_only = await _error_of(engine, "SET TRANSACTION READ ONLY", "CREATE TABLE refused (id INTEGER)")
+        else:
+            path = make_url(db).database
+            read_only = await _error_of(create_async_engine(f"sqlite+aiosqlite:///file:{path}?mode=ro&uri=true"),
+                                        "CREATE TABLE refused (id INTEGER)")
+        await engine.dispose()
+        return [read_only]
+
+    [read_only] = asyncio.run(scenario())
+    assert queries.what_to_check(read_only).startswith("it is read-only here"), read_only
+    full = sqlite3.connect(tmp_path / "full.db")
+    full.execute("CREATE TABLE t (b BLOB)")
+    full.execute("PRAGMA max_page_count = 4")  # a disk that is full, for this connection
+    with pytest.raises(sqlite3.OperationalError) as raised:
+        full.execute("INSERT INTO t VALUES (zeroblob(100000))")
+    for error in (raised.value, OSError(errno.ENOSPC, "No space left on device"), sqlite3.OperationalError("database or disk is full")):
+        assert queries.what_to_check(error).startswith("the disk that holds it (or its quota) is full"), error
+    assert queries.unreachable(raised.value) and queries.unreachable(read_only), "both are refused as JOURNAL_UNAVAILABLE"
 
 
 @pytest.mark.parametrize(

@@ -78,6 +78,25 @@ def sqlite_file_problem(url: str, setting: str = "database.url") -> str | None:
     return None
 
 
+def sqlite_unwritable(url: str) -> str | None:
+    """Why this user cannot write the SQLite journal at ``url`` (the file, or its directory, where
+    SQLite creates the file and keeps its -wal and -shm files), or None. The broker must write
+    its journal: it forwards nothing without a durable record."""
+    import os
+    from pathlib import Path
+
+    if (database := sqlite_file(url)) is None:
+        return None
+    path = Path(database).absolute()
+    who = f"this user (uid {os.getuid()})"
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        what = "cannot be created there" if not path.exists() else "cannot keep its -wal and -shm files beside it"
+        return f"the directory {path.parent} is not writable by {who}, so the journal {what}"
+    if path.exists() and not os.access(path, os.R_OK | os.W_OK):
+        return f"the journal file {path} is not readable and writable by {who}"
+    return None
+
+
 def current(url: str) -> str | None:
     """The revision the database is at, or None for a database without the version table."""
     import asyncio

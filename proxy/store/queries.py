@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Iterator
 
 import asyncio
+import errno
 import socket
 import sqlite3
 
@@ -73,9 +74,30 @@ def what_to_check(exc: BaseException) -> str:
                     "and that the server's pg_hba.conf lets this user reach this database from this host (and over SSL or not)")
         if isinstance(error, (asyncio.TimeoutError, TimeoutError)):
             return "it did not answer in time; check that the database is up and that its host and port are right"
+        if _is(error, sqlite3.SQLITE_FULL, errno.ENOSPC, "53100", "database or disk is full"):
+            return ("the disk that holds it (or its quota) is full; free space there (the journal only grows: see "
+                    "docs/operations.md, \"Disk\")")
+        if _is(error, sqlite3.SQLITE_READONLY, errno.EROFS, "25006", "attempt to write a readonly database"):
+            return ("it is read-only here (a read-only mount or file, a directory this user cannot write, or a "
+                    "PostgreSQL standby), and the broker must write its journal; give this user write access, or "
+                    "point the URL at the primary")
+        if _is(error, sqlite3.SQLITE_CANTOPEN, errno.EACCES, None, "unable to open database file"):
+            return ("the SQLite file could not be opened; check that it and its directory exist and that this user "
+                    "may read and write both (SQLite keeps its -wal and -shm files beside it)")
         if isinstance(error, sqlite3.Error):
             return "the SQLite file could not be used; check that no other process holds it locked and that it is readable"
     return "check that the database is up and that its host, port, database name and credentials are right"
+
+
+def _is(error: BaseException, sqlite_code: int, os_errno: int, sqlstate: str | None, sqlite_text: str) -> bool:
+    """Whether ``error`` is one failure as SQLite (by code, or by message when passed on from the
+    SQLite writer process), the operating system, or PostgreSQL (by SQLSTATE) report it."""
+    if isinstance(error, sqlite3.Error):
+        code = getattr(error, "sqlite_errorcode", None)
+        return code & 0xFF == sqlite_code if code is not None else sqlite_text in str(error)
+    if isinstance(error, OSError):
+        return error.errno == os_errno
+    return sqlstate is not None and getattr(error, "sqlstate", None) == sqlstate
 
 
 def schema_missing(exc: BaseException) -> bool:
