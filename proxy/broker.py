@@ -880,7 +880,8 @@ class Broker:
         self, row: dict[str, Any], req: AgentRequest, route: Route, request_fingerprint: str, key: str
     ) -> Reply:
         for _ in range(3):
-            _, events = await _read(queries.events_of(self.journal.engine, row["invocation_id"], self.journal.decode_payload), self.journal.timeout)
+            _, events = await _read(queries.events_of(self.journal.engine, row["invocation_id"], self.journal.decode_payload),
+                                    self.journal.timeout)
             record = project(events)
             if record.stage in (Stage.HELD, Stage.APPROVED):
                 return await self._repeat_held(row, record, req, route, request_fingerprint, key)
@@ -923,7 +924,8 @@ class Broker:
                     "Reconcile it or ask an operator.",
                 )
             until = now + timedelta(seconds=self.settings.proxy.retry_lease)
-            if await _read(leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until), self.journal.timeout):
+            if await _read(leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until),
+                           self.journal.timeout):
                 return await self._reattempt(row, record, req, route, key, until)
             row = await _read(queries.invocation(self.journal.engine, row["invocation_id"]), self.journal.timeout) or row
         return self._repeat_envelope(
@@ -951,7 +953,9 @@ class Broker:
             leases.owner_alive(self.journal.engine, holder, self.settings.recovery.stale_after), self.journal.timeout)
         now = utcnow()
         until = now + timedelta(seconds=max(self.settings.proxy.retry_lease, route.approval_timeout))
-        if holder_alive or not await _read(leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until), self.journal.timeout):
+        if holder_alive or not await _read(
+                leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until),
+                self.journal.timeout):
             if record.stage is Stage.APPROVED:
                 message = (f"Invocation {row['invocation_id']} is approved, and a running broker process that holds it "
                            "is about to send it. Nothing was sent for this request. Ask again later, or GET "
@@ -987,7 +991,8 @@ class Broker:
 
     async def _replay(self, row: dict[str, Any], record: Record) -> Reply:
         """Serve the recorded result again; the upstream is not contacted."""
-        stored = await _read(queries.stored_result(self.journal.engine, row["invocation_id"], self.journal.decode_result), self.journal.timeout)
+        stored = await _read(queries.stored_result(self.journal.engine, row["invocation_id"], self.journal.decode_result),
+                             self.journal.timeout)
         if stored is None and record.reconciled_outcome is not None:
             return self._repeat_envelope(
                 row, record, Code.RESULT_UNAVAILABLE,
