@@ -322,7 +322,7 @@ class _Exchange:
             # DISPATCH_STARTED write is refused and nothing is sent.
             await self._commit_fenced()
         except JournalUnavailable as exc:
-            raise DispatchRefused(Code.JOURNAL_UNAVAILABLE, str(exc), unsent=exc.unsent) from None
+            raise DispatchRefused(Code.JOURNAL_UNAVAILABLE, str(exc), unwritten=exc.unwritten) from None
         except LeaseLost:
             raise DispatchRefused(Code.LEASE_LOST, "the lease for this re-send was lost before dispatch") from None
         metrics.DISPATCH_RECORD.observe(time.perf_counter() - started)
@@ -623,6 +623,7 @@ class Broker:
         entry = self._new_entry(req, route, target, request_fingerprint, key, scope)
         entry.append(EventKind.PREFLIGHT_VALIDATED, route=route.name, idempotency_key=key if not generated else None)
         if key is not None:
+            await failpoint("before_claim")
             # Bind the key before anything else happens, so two concurrent first requests with
             # one key (on any brokers) become one invocation and one repeat.
             try:
@@ -635,8 +636,11 @@ class Broker:
                 if existing is None:
                     return self._journal_unavailable()
                 return await self._repeat(existing, req, route, request_fingerprint, key)
-            except JournalUnavailable:
-                return self._journal_unavailable()
+            except JournalUnavailable as exc:
+                # The binding may have landed unconfirmed: then its record, which names the key, is
+                # closed once the journal answers (else every repeat is IDEMPOTENCY_IN_PROGRESS
+                # for as long as this broker runs).
+                return self._journal_unavailable(entry, unwritten=exc.unwritten)
         else:
             entry.submit_quietly()
         await failpoint("before_credential")
@@ -1135,8 +1139,8 @@ class Broker:
             entry.append(EventKind.APPROVAL_REQUESTED, **await self._card(entry, req, route))
             try:
                 await entry.commit()
-            except JournalUnavailable:
-                return self._journal_unavailable(entry)
+            except JournalUnavailable as exc:
+                return self._journal_unavailable(entry, unwritten=exc.unwritten)
             except LeaseLost:
                 return self._lease_lost(entry)
         deadline = time.monotonic() + route.approval_timeout
@@ -1352,15 +1356,15 @@ class Broker:
             self._spawn(self._repair(entry, settled.response.status, handed))
             return reply
         if settled.refused is not None and settled.refused.code is Code.JOURNAL_UNAVAILABLE:
-            return self._journal_unavailable(entry, unsent=settled.refused.unsent)
+            return self._journal_unavailable(entry, unwritten=settled.refused.unwritten)
         if settled.refused is not None and settled.refused.code is Code.LEASE_LOST:
             return self._lease_lost(entry, refused_dispatch=True)  # only dispatch() refuses so: its own write
         self._end(entry, settled, answered=True)
         try:
             await entry.commit()
-        except JournalUnavailable:
+        except JournalUnavailable as exc:
             if not entry.record.dispatch_started:
-                return self._journal_unavailable(entry)
+                return self._journal_unavailable(entry, unwritten=exc.unwritten)
             # The caller gets what this broker knows; the record gets it once the journal is back.
             self._resend_in_background(entry, "its end")
         except LeaseLost:
@@ -1420,7 +1424,7 @@ class Broker:
                                       generation=row["generation"])
                 entry.credential = (row["credential_id"], row["credential_version"], row["injection"])
                 for kind, data in closing_events(
-                    record, cause="journal unavailable at the dispatch write", code=Code.JOURNAL_UNAVAILABLE, answered=answered,
+                    record, cause="the journal did not confirm a write", code=Code.JOURNAL_UNAVAILABLE, answered=answered,
                     after_dispatch="the journal took DISPATCH_STARTED but did not confirm it, so this broker sent "
                                    "nothing; the record cannot prove that (reconcile it)"):
                     entry.append(kind, **data)
@@ -1636,8 +1640,8 @@ class Broker:
         entry.append(EventKind.FAILED, phase=phase, code=code, answered=True, diagnostic=diagnostic)
         try:
             await entry.commit()
-        except JournalUnavailable:
-            return self._journal_unavailable(entry)
+        except JournalUnavailable as exc:
+            return self._journal_unavailable(entry, unwritten=exc.unwritten)
         except LeaseLost:
             return self._lease_lost(entry)
         retry = entry.retry_for(entry.record) or Retry.AFTER_CORRECTION  # a re-attempt's: its retention and budget count
@@ -1670,18 +1674,19 @@ class Broker:
         return Reply(status_for(Code.LEASE_LOST), headers, encode(body), entry.invocation_id)
 
     def _journal_unavailable(self, entry: InvocationLog | None = None, message: str | None = None, *,
-                             unsent: bool = False) -> Reply:
+                             unwritten: bool = False) -> Reply:
         """Nothing was sent because the journal refused a write. ``entry``: the invocation, if
         part of its record is already durable (a bound key): the answer names it, and the broker
-        ends that record once the journal takes writes again. ``unsent``: the refused write never
-        went to the database (it cannot have landed)."""
+        ends that record once the journal takes writes again. ``unwritten``: the refused write
+        (and any earlier one of the invocation that failed) is known not written; otherwise it
+        may have landed unconfirmed, and the answer says what follows if it did."""
         invocation_id = entry.invocation_id if entry is not None and entry.durable else None
         if entry is not None:  # even a failed commit may have landed: look once the journal answers
             self._in_background(self._close_when_journal_returns(entry))
-        # This attempt's DISPATCH_STARTED was the write refused, and may have landed (unless it was
-        # refused unsent).
+        maybe_landed = entry is not None and not unwritten
+        # This attempt's DISPATCH_STARTED was the write refused.
         refused_dispatch = entry is not None and entry.record.stage is Stage.DISPATCHED
-        unconfirmed = refused_dispatch and not unsent
+        unconfirmed = refused_dispatch and maybe_landed
         # A re-send's earlier attempts were dispatched: this one sent nothing, but the invocation
         # stays unknown (as with _lease_lost: only earlier dispatches count, never the refused one).
         earlier = entry.record.dispatch_count - (1 if refused_dispatch else 0) if entry is not None else 0
@@ -1692,12 +1697,17 @@ class Broker:
                        "stays unknown. Retry after a delay with the same key (GET /v1/invocations/{id} says what a "
                        "repeat may do); operators: check the database.")
         elif message is None and invocation_id is None:
+            if unconfirmed and entry is not None:
+                landed = (f", unless its write reached the database unconfirmed: then invocation {entry.invocation_id} "
+                          "is closed as unknown once the database answers (nothing was sent, but its record cannot "
+                          "prove it; an operator reconciles it)")
+            elif maybe_landed and entry is not None:
+                landed = (f", unless its write reached the database unconfirmed: then invocation {entry.invocation_id} "
+                          "is closed as not attempted once the database answers")
+            else:
+                landed = ""
             message = ("The broker cannot write its journal, so it sent nothing (it never forwards without a durable "
-                       "record). No invocation was recorded" + (
-                           f", unless its write reached the database unconfirmed: then invocation {entry.invocation_id} "
-                           "is closed as unknown once the database answers (nothing was sent, but its record cannot "
-                           "prove it; an operator reconciles it)" if unconfirmed else "") +
-                       ". Retry after a delay; operators: check the database.")
+                       f"record). No invocation was recorded{landed}. Retry after a delay; operators: check the database.")
         elif message is None:
             message = (f"The broker cannot write its journal, so it sent nothing (it never forwards without a durable "
                        f"record). Invocation {invocation_id} stays open until the database answers, then it is "

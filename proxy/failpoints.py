@@ -28,6 +28,7 @@ ENV = "AFFIDAVIT_FAILPOINTS"
 
 NAMES = frozenset(
     {
+        "before_claim",  # a keyed request was looked up (no record has its key), its key is not bound yet
         "before_credential",  # after PREFLIGHT_VALIDATED is durable, before the secret is read
         "during_tls",  # the new upstream connection is established, DISPATCH_STARTED not yet written
         "after_dispatch_commit",  # DISPATCH_STARTED durable, no request byte written yet

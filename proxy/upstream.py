@@ -92,12 +92,12 @@ class ExchangeObserver(Protocol):
 class DispatchRefused(Exception):
     """Raised by an observer at the boundary: nothing may be written (journal down, fence lost)."""
 
-    def __init__(self, code: Code, message: str, *, unsent: bool = False):
+    def __init__(self, code: Code, message: str, *, unwritten: bool = False):
         super().__init__(message)
         self.code = code
-        #: JOURNAL_UNAVAILABLE: the DISPATCH_STARTED write never went to the database (else it may
-        #: have landed unconfirmed).
-        self.unsent = unsent
+        #: JOURNAL_UNAVAILABLE: the DISPATCH_STARTED write is known not written (else it may have
+        #: landed unconfirmed).
+        self.unwritten = unwritten
 
 
 class SetupFailed(Exception):

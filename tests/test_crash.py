@@ -606,6 +606,51 @@ def test_a_dispatch_write_that_lands_unacknowledged_is_answered_and_closed_as_wh
     assert [r for r in upstream.received if r.method] == [], "nothing was sent"
 
 
+def test_a_key_binding_that_lands_unacknowledged_is_closed_and_the_key_works_again(relayed_pg, make_broker, upstream):
+    """The first write of a keyed request binds its key; it reaches the database, its
+    acknowledgement never returns. The agent is told nothing was sent, and what follows if the
+    binding landed; the record is closed as not attempted once the journal answers. Before, it
+    stayed in flight, and every repeat with the key got IDEMPOTENCY_IN_PROGRESS for as long as
+    the broker ran."""
+    url, relay = relayed_pg
+    broker = _start_on(make_broker, upstream, url, env={"AFFIDAVIT_FAILPOINTS": "before_claim=pause:1.5@2"})
+    assert post(broker, SAFE + "/h/ok", f"warm-{time.monotonic_ns()}").status_code == 200  # the journal is connected
+    key = f"bind-{time.monotonic_ns()}"
+    result: dict[str, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: result.setdefault("r", post(broker, SAFE + "/h/ok", key)))
+    thread.start()
+    time.sleep(0.7)  # looked up (no record has the key); the broker pauses before binding it
+    relay.deafen()
+    thread.join(20)
+    body = check_envelope(result["r"].content)
+    error = body["error"]
+    assert (result["r"].status_code, error["code"], error["outcome"], body["invocation_id"]) == (
+        503, "JOURNAL_UNAVAILABLE", "not_attempted", None), body
+    invocation_id = record_by_key_when_back(broker, relay, key)
+    assert (f"No invocation was recorded, unless its write reached the database unconfirmed: then invocation "
+            f"{invocation_id} is closed as not attempted once the database answers") in error["message"], error
+    record = broker.wait_for(invocation_id, lambda r: r["retry"] is not None, timeout=20)
+    assert (record["outcome"], record["code"]) == ("not_attempted", "JOURNAL_UNAVAILABLE"), record
+    again = post(broker, SAFE + "/h/ok", key)
+    assert again.status_code == 200, again.text
+    assert upstream.effects == 2, "the warm-up, and this key's operation once: by the repeat"
+
+
+def test_a_write_that_never_reached_the_database_is_answered_as_unrecorded(relayed_pg, make_broker, upstream):
+    """Nothing listens where the database was: the broker knows its writes went nowhere, so the
+    answer says plainly that no invocation was recorded (no "unless it landed")."""
+    url, relay = relayed_pg
+    broker = _start_on(make_broker, upstream, url)
+    relay.cut()
+    for _ in range(2):  # the first may meet the pooled connection the cut reset, on its way
+        with broker.client() as client:
+            response = client.post(CRASH + "/h/ok", content=b"{}")
+    body = check_envelope(response.content)
+    assert (response.status_code, body["error"]["code"], body["invocation_id"]) == (503, "JOURNAL_UNAVAILABLE", None), body
+    assert "No invocation was recorded. Retry after a delay" in body["error"]["message"], body
+    assert upstream.effects == 0
+
+
 def test_a_keyed_record_refused_at_the_dispatch_write_is_closed_when_the_journal_returns(relayed_pg, make_broker, upstream):
     url, relay = relayed_pg
     broker, response, body = _refused_at_the_dispatch_write(make_broker, upstream, url, relay.cut)

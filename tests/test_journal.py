@@ -408,8 +408,8 @@ def test_writes_queued_behind_a_batch_the_database_does_not_answer_are_refused_u
         results = await asyncio.gather(on_its_way, *queued, return_exceptions=True)
         took = loop.time() - started
         assert all(isinstance(r, JournalUnavailable) for r in results), results
-        assert not results[0].unsent, "the stalled batch's own write may have landed"
-        assert all(r.unsent for r in results[1:]), [str(r) for r in results[1:]]
+        assert not results[0].unwritten, "the stalled batch's own write may have landed"
+        assert all(r.unwritten for r in results[1:]), [str(r) for r in results[1:]]
         assert took < 1.9, f"the queued writes waited for a batch of their own ({took:.1f} s)"
         assert not lazy.done() and journal._queue, "a lazy write stays for the next batch"
         relay.restore()
@@ -419,6 +419,40 @@ def test_writes_queued_behind_a_batch_the_database_does_not_answer_are_refused_u
 
     with TcpRelay(server.host or "127.0.0.1", server.port or 5432) as relay:
         asyncio.run(scenario(relay))
+
+
+def test_a_write_the_database_refused_or_never_got_is_known_unwritten(request, tmp_path):
+    """Which failures can have landed: a batch PostgreSQL answered with an error (here a read-only
+    database) rolled back, and one that never reached it (nothing listens) wrote nothing; both say
+    so, and a request's answer need not say that its write may have landed. A batch cut off on
+    its way (the stalled test above) may have."""
+    url = database_url("postgresql", tmp_path, request, migrated=True)
+    name = make_url(url).database
+
+    async def scenario() -> tuple[JournalUnavailable, JournalUnavailable]:
+        admin = create_async_engine(make_url(url).set(database="postgres"), isolation_level="AUTOCOMMIT")
+        async with admin.connect() as conn:
+            await conn.execute(text(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on'))
+        await admin.dispose()
+        engine = make_engine(url, timeout=2.0)
+        journal = Journal(engine, writer="w1", timeout=2.0)
+        await journal.start()
+        with pytest.raises(JournalUnavailable) as refused:
+            await _accepted(journal).commit()
+        await journal.close()
+        await engine.dispose()
+        nowhere = make_engine(f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/nothing", timeout=1.0)
+        journal = Journal(nowhere, writer="w1", timeout=1.0)
+        await journal.start()
+        with pytest.raises(JournalUnavailable) as unreached:
+            await _accepted(journal).commit()
+        await journal.close()
+        await nowhere.dispose()
+        return refused.value, unreached.value
+
+    refused, unreached = asyncio.run(scenario())
+    assert "read-only" in str(refused) and refused.unwritten, refused
+    assert unreached.unwritten, unreached
 
 
 async def _error_of(engine: AsyncEngine, *statements: str) -> BaseException:

@@ -59,12 +59,12 @@ DEFER_AT_MOST = 0.005
 class JournalUnavailable(Exception):
     """The journal could not make the rows durable (database down, read-only, too slow).
 
-    ``unsent``: the rows never went to the database (refused while still queued), so they are
-    known not written; otherwise a write that failed may still have landed unconfirmed."""
+    ``unwritten``: the rows are known not written (they never went to the database, or it
+    answered their transaction with an error); otherwise they may have landed unconfirmed."""
 
-    def __init__(self, message: str, *, unsent: bool = False):
+    def __init__(self, message: str, *, unwritten: bool = False):
         super().__init__(message)
-        self.unsent = unsent
+        self.unwritten = unwritten
 
 
 class LeaseLost(Exception):
@@ -267,6 +267,9 @@ class Journal:
         #: During an outage the first failed batch is logged whole, then one line per
         #: FAILURE_LOG_EVERY seconds with the count since (a busy broker fails dozens a second).
         self._failure_logged_at = -FAILURE_LOG_EVERY
+        #: Whether the batch being written has gone to the database (before: a failure, a refused
+        #: connection say, is known to have written nothing).
+        self._on_the_wire = False
         self._failures_unlogged = 0
         #: Why :meth:`start` could not make the journal writable (the broker refuses to start).
         self.start_problem: str | None = None
@@ -324,11 +327,13 @@ class Journal:
             if self._lazy_timer is not None:
                 self._lazy_timer.cancel()
                 self._lazy_timer = self._lazy_deadline = None
-            stranded, self._in_flight = [*self._in_flight, *self._queue], []
+            cut, self._in_flight = self._in_flight, []  # may have landed
+            queued = [*self._queue]
             self._queue.clear()
-            for w in stranded:
+            for w in [*cut, *queued]:
                 if w.future is not None and not w.future.done():
-                    w.future.set_exception(JournalUnavailable("the journal closed before this write was made durable"))
+                    w.future.set_exception(JournalUnavailable("the journal closed before this write was made durable",
+                                                              unwritten=w not in cut))
         await self._drop_connection()
         if self._sqlite_writer is not None:
             await self._sqlite_writer.close()
@@ -363,7 +368,7 @@ class Journal:
         if self._task is None:
             refuse = "the journal writer is not running"
         if refuse is not None:
-            write.future.set_exception(JournalUnavailable(refuse))
+            write.future.set_exception(JournalUnavailable(refuse, unwritten=True))
             return write.future
         self._queue.append(write)
         if write.lazy:
@@ -494,12 +499,14 @@ class Journal:
         for w in batch:
             if w.after is not None and w.after.done() and (w.after.cancelled() or w.after.exception()):
                 if w.future is not None and not w.future.done():
-                    w.future.set_exception(JournalUnavailable("an earlier write of this invocation failed"))
+                    w.future.set_exception(JournalUnavailable("an earlier write of this invocation failed",
+                                                              unwritten=not _earlier_may_have_landed(w)))
         live = [w for w in batch if w.future is not None and not w.future.done()]
         if not any(w.events or w.insert_invocation or w.update_invocation or w.result or w.fence or w.checkpoint_only for w in live):
             for w in live:
                 w.future.set_result(None)  # type: ignore[union-attr]
             return
+        self._on_the_wire = False
         try:
             try:
                 async with asyncio.timeout(self.timeout):  # no extra task per batch, unlike wait_for
@@ -518,7 +525,7 @@ class Journal:
             self._rotate_chain()
             # The callers first: dropping a connection to a database that does not answer takes
             # its own bounded wait.
-            error = JournalUnavailable(brief(exc))
+            error = JournalUnavailable(brief(exc), unwritten=not self._on_the_wire or _rolled_back(exc))
             for w in live:
                 if not w.future.done():  # type: ignore[union-attr]
                     w.future.set_exception(error)  # type: ignore[union-attr]
@@ -558,22 +565,22 @@ class Journal:
         refused now, unsent (a stalled database answers every caller within the timeout, not
         once per batch ahead of it). Lazy writes, which nobody waits for, stay for the next.
         Returns how many were refused."""
-        error = JournalUnavailable(
-            f"the journal did not answer within {self.timeout:g} s, and this write, queued behind one it did not "
-            "answer, was not sent to it", unsent=True)
+        why = (f"the journal did not answer within {self.timeout:g} s, and this write, queued behind one it did not "
+               "answer, was not sent to it")
         kept: deque[Write] = deque()
         refused = 0
         for w in self._queue:
             if w.lazy:
                 kept.append(w)
             elif w.future is not None and not w.future.done():
-                w.future.set_exception(error)
+                w.future.set_exception(JournalUnavailable(why, unwritten=not _earlier_may_have_landed(w)))
                 refused += 1
         self._queue = kept
         return refused
 
     async def _write(self, batch: list[Write]) -> dict[int, Exception]:
         if self._sqlite_writer is not None:
+            self._on_the_wire = True  # the writer process may have begun it whatever it says
             return await self._call_batch(self._sqlite_writer.write, batch)
         if sum(len(w.result["body"]) for w in batch if w.result) < _INLINE_LIMIT:
             return await self._call_batch(self._write_pg, batch)
@@ -591,6 +598,7 @@ class Journal:
         if driver is None:
             conn = await self._connection()
             driver = self._driver = (await conn.get_raw_connection()).driver_connection
+        self._on_the_wire = True
         try:
             await driver.execute(_BATCH_CALL, document.decode())
         except asyncpg.PostgresError as exc:
@@ -701,8 +709,10 @@ class Journal:
         """
         if self._sqlite_thread is not None:
             loop = asyncio.get_running_loop()
+            self._on_the_wire = True
             return await loop.run_in_executor(self._sqlite_thread, self._sqlite_transaction, batch, isolate)
         conn = await self._connection()
+        self._on_the_wire = True
         return await conn.run_sync(lambda sync: self._statements(CoreStatements(sync), batch, isolate))
 
     def _sqlite_transaction(self, batch: list[Write], isolate: bool) -> dict[int, Exception]:
@@ -808,6 +818,35 @@ def projection_row(invocation_id: str, values: dict[str, Any]) -> dict[str, Any]
     row = {name: values[name] for name in PROJECTION_COLUMNS}
     row["b_invocation_id"] = invocation_id
     return row
+
+
+#: SQLSTATE classes of an error that may end a session whose transaction had committed: a lost
+#: connection (08), an operator's or the server's intervention (57: a shutdown, a terminated
+#: backend), a system error (58), an internal one (XX).
+_MAY_HAVE_COMMITTED = frozenset({"08", "57", "58", "XX"})
+
+
+def _earlier_may_have_landed(w: Write) -> bool:
+    """Whether the earlier write of ``w``'s invocation that it waits on failed in a way that may
+    have landed (``w`` itself was never sent): then the invocation may have a record after all."""
+    earlier = w.after
+    if earlier is None or not earlier.done() or earlier.cancelled():
+        return False
+    failure = earlier.exception()
+    return isinstance(failure, JournalUnavailable) and not failure.unwritten
+
+
+def _rolled_back(exc: BaseException) -> bool:
+    """Whether PostgreSQL answered the batch with an error that rolled its transaction back (a
+    read-only database, a full disk, a check that failed), so nothing of it was written."""
+    seen: BaseException | None = exc
+    for _ in range(4):  # the driver's error, or SQLAlchemy's wrapping of it
+        if seen is None:
+            return False
+        if isinstance(seen, asyncpg.PostgresError):
+            return str(getattr(seen, "sqlstate", "") or "")[:2] not in _MAY_HAVE_COMMITTED
+        seen = getattr(seen, "orig", None) or seen.__cause__
+    return False
 
 
 def brief(exc: BaseException) -> str:
