@@ -429,26 +429,23 @@ def test_a_write_the_database_refused_or_never_got_is_known_unwritten(request, t
     url = database_url("postgresql", tmp_path, request, migrated=True)
     name = make_url(url).database
 
+    async def first_write_fails(url: str, timeout: float) -> JournalUnavailable:
+        engine = make_engine(url, timeout=timeout)
+        journal = Journal(engine, writer="w1", timeout=timeout)
+        await journal.start()
+        with pytest.raises(JournalUnavailable) as failed:
+            await _accepted(journal).commit()
+        await journal.close()
+        await engine.dispose()
+        return failed.value
+
     async def scenario() -> tuple[JournalUnavailable, JournalUnavailable]:
         admin = create_async_engine(make_url(url).set(database="postgres"), isolation_level="AUTOCOMMIT")
         async with admin.connect() as conn:
             await conn.execute(text(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on'))
         await admin.dispose()
-        engine = make_engine(url, timeout=2.0)
-        journal = Journal(engine, writer="w1", timeout=2.0)
-        await journal.start()
-        with pytest.raises(JournalUnavailable) as refused:
-            await _accepted(journal).commit()
-        await journal.close()
-        await engine.dispose()
-        nowhere = make_engine(f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/nothing", timeout=1.0)
-        journal = Journal(nowhere, writer="w1", timeout=1.0)
-        await journal.start()
-        with pytest.raises(JournalUnavailable) as unreached:
-            await _accepted(journal).commit()
-        await journal.close()
-        await nowhere.dispose()
-        return refused.value, unreached.value
+        return (await first_write_fails(url, 2.0),
+                await first_write_fails(f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/nothing", 1.0))
 
     refused, unreached = asyncio.run(scenario())
     assert "read-only" in str(refused) and refused.unwritten, refused
