@@ -450,6 +450,7 @@ def test_secrets_set_with_the_database_down_says_nothing_was_stored_and_to_run_i
     done = run_cli("secrets_app", "set", "payments-key", "-c", str(config), cwd=workdir, env=cli_env(generate_key()),
                    stdin=value)
     assert done.returncode == 1, done.stderr
-    assert "Nothing was stored; check that the database is up" in done.stderr and "run the command again" in done.stderr
+    assert ("Nothing was stored; nothing accepts connections at its host and port; check that the database is up"
+            in done.stderr and "run the command again" in done.stderr), done.stderr
     assert "started" not in done.stderr and "start again" not in done.stderr and ".;" not in done.stderr, done.stderr
     assert value not in done.stdout + done.stderr
