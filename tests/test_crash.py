@@ -897,6 +897,34 @@ def _alter(url: str, statement: str) -> None:
         query(url, statement)
 
 
+def test_a_damaged_sqlite_journal_is_named_as_such_by_the_side_api(make_broker, upstream):
+    """A journal file whose pages were damaged (a bad disk, a bad copy): the side API said "a bug,
+    or a schema this version does not expect", and logged a traceback. It names the damage, and
+    the log says what to do."""
+    broker = make_broker("sqlite", routes=crash_routes(upstream))
+    first = post(broker, SAFE + "/h/ok", f"damage-{time.monotonic_ns()}")
+    assert first.status_code == 200
+    invocation_id = first.headers["affidavit-invocation-id"]
+    broker.wait_for(invocation_id, lambda r: r["stage"] == "delivered")
+    broker.stop()
+    path = make_url(broker.database_url).database
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+        [root] = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'invocations'").fetchone()
+    with open(path, "r+b") as journal:  # the invocations table's first page, overwritten
+        journal.seek((root - 1) * page_size)
+        journal.write(b"\xa5" * page_size)
+    broker.start()
+    seen = len(broker.logs())
+    with broker.operator() as api:
+        answer = api.get(f"/v1/invocations/{invocation_id}")
+    assert answer.status_code == 500 and answer.headers["content-type"] == "application/problem+json", answer.text
+    assert "The journal's storage is damaged" in answer.json()["detail"], answer.text
+    logs = broker.logs()[seen:]
+    assert "the journal's storage is damaged" in logs and "restore from a backup" in logs and "Traceback" not in logs, logs
+
+
 @pytest.mark.parametrize("dialect", DIALECTS)
 def test_a_read_the_database_answers_with_an_error_is_not_reported_as_an_outage(make_broker, upstream, dialect):
     """A keyed repeat reads its record before it may send anything. When that read fails because

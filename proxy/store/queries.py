@@ -100,6 +100,21 @@ def _is(error: BaseException, sqlite_code: int, os_errno: int, sqlstate: str | N
     return sqlstate is not None and getattr(error, "sqlstate", None) == sqlstate
 
 
+def damaged(exc: BaseException) -> bool:
+    """Whether ``exc`` says the journal's storage is damaged: SQLite's "database disk image is
+    malformed" (or a file that is no database), PostgreSQL's data or index corruption (XX001,
+    XX002). No retry cures it; a backup does."""
+    for error in causes(exc):
+        if isinstance(error, sqlite3.Error):
+            code = getattr(error, "sqlite_errorcode", None)
+            if (code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB) if code is not None
+                    else "malformed" in str(error) or "file is not a database" in str(error)):
+                return True
+        elif getattr(error, "sqlstate", None) in ("XX001", "XX002"):
+            return True
+    return False
+
+
 def schema_missing(exc: BaseException) -> bool:
     """Whether ``exc`` says the database has no such table or column: a journal never upgraded
     (or upgraded by an older version), which ``affidavit db upgrade`` cures."""
