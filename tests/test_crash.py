@@ -613,13 +613,19 @@ def test_a_key_binding_that_lands_unacknowledged_is_closed_and_the_key_works_aga
     stayed in flight, and every repeat with the key got IDEMPOTENCY_IN_PROGRESS for as long as
     the broker ran."""
     url, relay = relayed_pg
-    broker = _start_on(make_broker, upstream, url, env={"AFFIDAVIT_FAILPOINTS": "before_claim=pause:1.5@2"})
-    assert post(broker, SAFE + "/h/ok", f"warm-{time.monotonic_ns()}").status_code == 200  # the journal is connected
+    broker = _start_on(make_broker, upstream, url, env={"AFFIDAVIT_FAILPOINTS": "before_claim=pause:2@2"})
+    warm = post(broker, SAFE + "/h/ok", f"warm-{time.monotonic_ns()}")  # the journal is connected
+    assert warm.status_code == 200
+    # Its last writes (the delivery record goes behind) are in: none stalls ahead of the binding.
+    broker.wait_for(warm.headers["affidavit-invocation-id"], lambda r: r["stage"] == "delivered")
     key = f"bind-{time.monotonic_ns()}"
     result: dict[str, httpx.Response] = {}
     thread = threading.Thread(target=lambda: result.setdefault("r", post(broker, SAFE + "/h/ok", key)))
     thread.start()
-    time.sleep(0.7)  # looked up (no record has the key); the broker pauses before binding it
+    deadline = time.monotonic() + 10
+    while broker.logs().count("failpoint before_claim: pause") < 2:  # looked up; paused before binding its key
+        assert time.monotonic() < deadline, "the request never reached the binding of its key"
+        time.sleep(0.05)
     relay.deafen()
     thread.join(20)
     body = check_envelope(result["r"].content)
