@@ -615,7 +615,7 @@ class Broker:
         scope = route.idempotency.scope if route.idempotency else route.name
         if key is not None and not generated:
             try:
-                existing = await _read(leases.find_keyed(self.journal.engine, req.agent, scope, key), self.journal.timeout)
+                existing = await self._read(leases.find_keyed(self.journal.engine, req.agent, scope, key))
             except _Unreadable as exc:
                 return self._unreadable(exc)
             if existing is not None:
@@ -630,7 +630,7 @@ class Broker:
                 await entry.commit(claim=True)
             except IdempotencyConflict:
                 try:
-                    existing = await _read(leases.find_keyed(self.journal.engine, req.agent, scope, key), self.journal.timeout)
+                    existing = await self._read(leases.find_keyed(self.journal.engine, req.agent, scope, key))
                 except _Unreadable as exc:
                     return self._unreadable(exc)
                 if existing is None:
@@ -849,6 +849,20 @@ class Broker:
         except UnreadableRecord as exc:  # read before anything is sent, and a newer broker's record
             return self._unreadable(_Unreadable(str(exc), "format"))
 
+    async def _read(self, awaitable: Awaitable[T]) -> T:
+        """``await awaitable``, a journal read bounded by the journal's timeout in all (a wait for a
+        pooled connection, a new connection, the query: a stalled database gets no more time by
+        stalling each in turn); any failure of it becomes :class:`_Unreadable`."""
+        try:
+            async with asyncio.timeout(self.journal.timeout):
+                return await awaitable
+        except DecryptError as exc:
+            raise _Unreadable(f"the record cannot be decrypted: {exc}", "decrypt") from exc
+        except UnreadableRecord as exc:
+            raise _Unreadable(str(exc), "format") from exc
+        except Exception as exc:  # nothing has been sent yet, whatever went wrong: the answer can say so
+            raise _Unreadable(brief(exc), "unreachable" if queries.unreachable(exc) else "error") from exc
+
     def _unreadable(self, exc: "_Unreadable") -> Reply:
         if exc.why == "error":
             log.error("a request with an idempotency key could not be checked against the journal: the read failed "
@@ -884,8 +898,7 @@ class Broker:
         self, row: dict[str, Any], req: AgentRequest, route: Route, request_fingerprint: str, key: str
     ) -> Reply:
         for _ in range(3):
-            _, events = await _read(queries.events_of(self.journal.engine, row["invocation_id"], self.journal.decode_payload),
-                                    self.journal.timeout)
+            _, events = await self._read(queries.events_of(self.journal.engine, row["invocation_id"], self.journal.decode_payload))
             record = project(events)
             if record.stage in (Stage.HELD, Stage.APPROVED):
                 return await self._repeat_held(row, record, req, route, request_fingerprint, key)
@@ -928,10 +941,9 @@ class Broker:
                     "Reconcile it or ask an operator.",
                 )
             until = now + timedelta(seconds=self.settings.proxy.retry_lease)
-            if await _read(leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until),
-                           self.journal.timeout):
+            if await self._read(leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until)):
                 return await self._reattempt(row, record, req, route, key, until)
-            row = await _read(queries.invocation(self.journal.engine, row["invocation_id"]), self.journal.timeout) or row
+            row = await self._read(queries.invocation(self.journal.engine, row["invocation_id"])) or row
         return self._repeat_envelope(
             row, None, Code.IDEMPOTENCY_IN_PROGRESS,
             f"Invocation {row['invocation_id']} is being retried elsewhere. Nothing was sent. Ask again later.",
@@ -953,13 +965,12 @@ class Broker:
         # its last heartbeat; any other holder is alive until its heartbeat goes stale.
         earlier_self = (holder != self.owner and holder.rpartition("/")[0] == self.owner.rpartition("/")[0]
                         and self.earlier_incarnation_dead(holder))
-        holder_alive = not earlier_self and await _read(
-            leases.owner_alive(self.journal.engine, holder, self.settings.recovery.stale_after), self.journal.timeout)
+        holder_alive = not earlier_self and await self._read(
+            leases.owner_alive(self.journal.engine, holder, self.settings.recovery.stale_after))
         now = utcnow()
         until = now + timedelta(seconds=max(self.settings.proxy.retry_lease, route.approval_timeout))
-        if holder_alive or not await _read(
-                leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until),
-                self.journal.timeout):
+        if holder_alive or not await self._read(
+                leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until)):
             if record.stage is Stage.APPROVED:
                 message = (f"Invocation {row['invocation_id']} is approved, and a running broker process that holds it "
                            "is about to send it. Nothing was sent for this request. Ask again later, or GET "
@@ -995,8 +1006,7 @@ class Broker:
 
     async def _replay(self, row: dict[str, Any], record: Record) -> Reply:
         """Serve the recorded result again; the upstream is not contacted."""
-        stored = await _read(queries.stored_result(self.journal.engine, row["invocation_id"], self.journal.decode_result),
-                             self.journal.timeout)
+        stored = await self._read(queries.stored_result(self.journal.engine, row["invocation_id"], self.journal.decode_result))
         if stored is None and record.reconciled_outcome is not None:
             return self._repeat_envelope(
                 row, record, Code.RESULT_UNAVAILABLE,
@@ -2114,21 +2124,6 @@ class _Unreadable(Exception):
     def __init__(self, reason: str, why: str):
         super().__init__(reason)
         self.why = why
-
-
-async def _read(awaitable: Awaitable[T], within: float) -> T:
-    """``await awaitable``, a journal read bounded by ``within`` seconds in all (a wait for a
-    pooled connection, a new connection, the query: a stalled database gets no more time by
-    stalling each in turn); any failure of it becomes :class:`_Unreadable`."""
-    try:
-        async with asyncio.timeout(within):
-            return await awaitable
-    except DecryptError as exc:
-        raise _Unreadable(f"the record cannot be decrypted: {exc}", "decrypt") from exc
-    except UnreadableRecord as exc:
-        raise _Unreadable(str(exc), "format") from exc
-    except Exception as exc:  # nothing has been sent yet, whatever went wrong: the answer can say so
-        raise _Unreadable(brief(exc), "unreachable" if queries.unreachable(exc) else "error") from exc
 
 
 WITHHELD_HEADER = "Affidavit-Withheld"

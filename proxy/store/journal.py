@@ -38,6 +38,7 @@ from .. import metrics
 from ..failpoints import failpoint
 from ..crypto import KeyRing, payload_codec, payload_decoder, result_codec, result_decoder
 from .leases import ReplayTally
+from .queries import causes
 from .reading import READ_ONLY
 from .sqlite_writer import SqliteWriter
 from .schema import events
@@ -327,13 +328,14 @@ class Journal:
             if self._lazy_timer is not None:
                 self._lazy_timer.cancel()
                 self._lazy_timer = self._lazy_deadline = None
-            cut, self._in_flight = self._in_flight, []  # may have landed
-            queued = [*self._queue]
+            cut, queued = self._in_flight, [*self._queue]  # the batch cut may have landed; the queue did not
+            self._in_flight = []
             self._queue.clear()
-            for w in [*cut, *queued]:
-                if w.future is not None and not w.future.done():
-                    w.future.set_exception(JournalUnavailable("the journal closed before this write was made durable",
-                                                              unwritten=w not in cut))
+            for stranded, unwritten in ((cut, False), (queued, True)):
+                for w in stranded:
+                    if w.future is not None and not w.future.done():
+                        w.future.set_exception(JournalUnavailable("the journal closed before this write was made "
+                                                                  "durable", unwritten=unwritten))
         await self._drop_connection()
         if self._sqlite_writer is not None:
             await self._sqlite_writer.close()
@@ -839,14 +841,8 @@ def _earlier_may_have_landed(w: Write) -> bool:
 def _rolled_back(exc: BaseException) -> bool:
     """Whether PostgreSQL answered the batch with an error that rolled its transaction back (a
     read-only database, a full disk, a check that failed), so nothing of it was written."""
-    seen: BaseException | None = exc
-    for _ in range(4):  # the driver's error, or SQLAlchemy's wrapping of it
-        if seen is None:
-            return False
-        if isinstance(seen, asyncpg.PostgresError):
-            return str(getattr(seen, "sqlstate", "") or "")[:2] not in _MAY_HAVE_COMMITTED
-        seen = getattr(seen, "orig", None) or seen.__cause__
-    return False
+    return any(isinstance(error, asyncpg.PostgresError)
+               and str(getattr(error, "sqlstate", "") or "")[:2] not in _MAY_HAVE_COMMITTED for error in causes(exc))
 
 
 def brief(exc: BaseException) -> str:

@@ -89,14 +89,14 @@ def what_to_check(exc: BaseException) -> str:
     return "check that the database is up and that its host, port, database name and credentials are right"
 
 
-def _is(error: BaseException, sqlite_code: int, os_errno: int, sqlstate: str | None, sqlite_text: str) -> bool:
+def _is(error: BaseException, sqlite_code: int, os_errno: int | None, sqlstate: str | None, sqlite_text: str) -> bool:
     """Whether ``error`` is one failure as SQLite (by code, or by message when passed on from the
     SQLite writer process), the operating system, or PostgreSQL (by SQLSTATE) report it."""
     if isinstance(error, sqlite3.Error):
         code = getattr(error, "sqlite_errorcode", None)
         return code & 0xFF == sqlite_code if code is not None else sqlite_text in str(error)
     if isinstance(error, OSError):
-        return error.errno == os_errno
+        return os_errno is not None and error.errno == os_errno
     return sqlstate is not None and getattr(error, "sqlstate", None) == sqlstate
 
 
@@ -104,15 +104,8 @@ def damaged(exc: BaseException) -> bool:
     """Whether ``exc`` says the journal's storage is damaged: SQLite's "database disk image is
     malformed" (or a file that is no database), PostgreSQL's data or index corruption (XX001,
     XX002). No retry cures it; a backup does."""
-    for error in causes(exc):
-        if isinstance(error, sqlite3.Error):
-            code = getattr(error, "sqlite_errorcode", None)
-            if (code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB) if code is not None
-                    else "malformed" in str(error) or "file is not a database" in str(error)):
-                return True
-        elif getattr(error, "sqlstate", None) in ("XX001", "XX002"):
-            return True
-    return False
+    return any(_is(error, sqlite3.SQLITE_CORRUPT, None, "XX001", "database disk image is malformed")
+               or _is(error, sqlite3.SQLITE_NOTADB, None, "XX002", "file is not a database") for error in causes(exc))
 
 
 def schema_missing(exc: BaseException) -> bool:
