@@ -498,12 +498,14 @@ def create_app(
         return {"status": "ok"}
 
     @app.get("/readyz", tags=["health"], summary="Readiness: the journal answers and can write",
-             responses=answers(503, meaning={503: "Not ready: the journal is unreachable or unwritable"}))
+             responses=answers(503, meaning={503: "Not ready: the journal is unreachable, unwritable or damaged"}))
     async def readyz() -> Response:
         try:
             await asyncio.wait_for(queries.ping(engine), 3.0)
         except Exception:
             return JSONResponse({"status": "unavailable", "journal": "unreachable"}, status_code=503)
+        if journal.damage is not None:  # every write is refused until a restart (see Journal.damage)
+            return JSONResponse({"status": "unavailable", "journal": "damaged"}, status_code=503)
         if journal.write_problem is not None:  # reads work, but every write would be refused
             return JSONResponse({"status": "unavailable", "journal": "unwritable"}, status_code=503)
         if not journal.healthy and heartbeat_failing():

@@ -903,6 +903,19 @@ def _alter(url: str, statement: str) -> None:
         query(url, statement)
 
 
+def _damage_the_invocations_table(broker: BrokerProcess) -> None:
+    """Overwrite the first page of a stopped SQLite broker's ``invocations`` table (a bad disk, a
+    bad copy): SQLite answers "database disk image is malformed" when it is read or written."""
+    path = make_url(broker.database_url).database
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+        [root] = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'invocations'").fetchone()
+    with open(path, "r+b") as journal:  # the invocations table's first page, overwritten
+        journal.seek((root - 1) * page_size)
+        journal.write(b"\xa5" * page_size)
+
+
 def test_a_damaged_sqlite_journal_is_named_as_such_by_the_side_api(make_broker, upstream):
     """A journal file whose pages were damaged (a bad disk, a bad copy): the side API said "a bug,
     or a schema this version does not expect", and logged a traceback. It names the damage, and
@@ -913,14 +926,7 @@ def test_a_damaged_sqlite_journal_is_named_as_such_by_the_side_api(make_broker, 
     invocation_id = first.headers["affidavit-invocation-id"]
     broker.wait_for(invocation_id, lambda r: r["stage"] == "delivered")
     broker.stop()
-    path = make_url(broker.database_url).database
-    with contextlib.closing(sqlite3.connect(path)) as conn:
-        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
-        [root] = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'invocations'").fetchone()
-    with open(path, "r+b") as journal:  # the invocations table's first page, overwritten
-        journal.seek((root - 1) * page_size)
-        journal.write(b"\xa5" * page_size)
+    _damage_the_invocations_table(broker)
     broker.start()
     seen = len(broker.logs())
     with broker.operator() as api:
@@ -929,6 +935,57 @@ def test_a_damaged_sqlite_journal_is_named_as_such_by_the_side_api(make_broker, 
     assert "The journal's storage is damaged" in answer.json()["detail"], answer.text
     logs = broker.logs()[seen:]
     assert "the journal's storage is damaged" in logs and "restore from a backup" in logs and "Traceback" not in logs, logs
+
+
+DAMAGED_LINE = "nothing more is written to it until the broker restarts"
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_a_journal_whose_storage_is_damaged_is_not_ready_and_takes_no_more_writes(make_broker, upstream, dialect):
+    """A write that finds the journal's storage damaged: /readyz said "ready" (the heartbeat, on
+    another table, still worked) while every request was refused, and the broker went on writing
+    into the damaged file. Now it stops writing until a restart, says so once, and is not ready.
+    SQLite: a page of the file overwritten; PostgreSQL: the server's own data-corruption error
+    (XX001), raised by a trigger on the table the damage is in."""
+    broker = make_broker(dialect, routes=crash_routes(upstream))
+
+    def send() -> httpx.Response:
+        with broker.client(timeout=15) as client:
+            return client.post(CRASH + "/h/ok", content=b"{}")
+
+    assert send().status_code == 200
+    if dialect == "sqlite":
+        broker.stop()
+        _damage_the_invocations_table(broker)
+        broker.start()
+    else:
+        query(broker.database_url, "CREATE FUNCTION damaged() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+              "RAISE EXCEPTION 'invalid page in block 7 of relation base/1/2' USING ERRCODE = 'XX001'; END $$")
+        query(broker.database_url, "CREATE TRIGGER damaged BEFORE INSERT OR UPDATE ON invocations "
+              "FOR EACH ROW EXECUTE FUNCTION damaged()")
+    assert _ready_within(broker, 10, 200)["status"] == "ready"
+    seen = len(broker.logs())
+    refused = send()
+    body = check_envelope(refused.content)
+    assert refused.status_code == 503, refused.text
+    assert (body["error"]["code"], body["error"]["outcome"]) == ("JOURNAL_UNAVAILABLE", "not_attempted"), body
+    assert _ready_within(broker, 1, 503) == {"status": "unavailable", "journal": "damaged"}
+    if dialect == "postgresql":  # repaired under the broker: it still writes nothing until it restarts
+        query(broker.database_url, "DROP TRIGGER damaged ON invocations")
+        count = query(broker.database_url, "SELECT count(*) FROM events")
+    again = send()
+    assert again.status_code == 503 and check_envelope(again.content)["error"]["code"] == "JOURNAL_UNAVAILABLE", again.text
+    assert upstream.effects == 1, "nothing was forwarded after the damage was found"
+    logs = broker.logs()[seen:]
+    assert logs.count(DAMAGED_LINE) == 1 and "restore from a backup" in logs, logs
+    assert "the journal's storage is damaged" in logs and "Traceback" not in logs, logs
+    if dialect == "postgresql":
+        assert query(broker.database_url, "SELECT count(*) FROM events") == count, "nothing was written after the damage"
+        broker.stop()
+        broker.start()
+        assert _ready_within(broker, 10, 200)["status"] == "ready"
+        assert send().status_code == 200
+        assert upstream.effects == 2
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)

@@ -38,7 +38,7 @@ from .. import metrics
 from ..failpoints import failpoint
 from ..crypto import KeyRing, payload_codec, payload_decoder, result_codec, result_decoder
 from .leases import ReplayTally
-from .queries import causes
+from .queries import causes, damaged
 from .reading import READ_ONLY
 from .sqlite_writer import SqliteWriter
 from .schema import events
@@ -66,6 +66,10 @@ class JournalUnavailable(Exception):
     def __init__(self, message: str, *, unwritten: bool = False):
         super().__init__(message)
         self.unwritten = unwritten
+
+
+class JournalDamaged(Exception):
+    """A batch refused unsent because an earlier one found the journal's storage damaged."""
 
 
 class LeaseLost(Exception):
@@ -274,6 +278,11 @@ class Journal:
         self._failures_unlogged = 0
         #: Why :meth:`start` could not make the journal writable (the broker refuses to start).
         self.start_problem: str | None = None
+        #: Set once a batch fails because the journal's storage is damaged (SQLite's "database
+        #: disk image is malformed", PostgreSQL's XX001/XX002): from then on nothing is written
+        #: to it, every write is refused unsent, until the broker restarts (no retry cures
+        #: damage, and writing on could spread it or leave records half-readable).
+        self.damage: str | None = None
 
     async def start(self) -> None:
         """Start the writer. A writer name that already has rows continues its chain."""
@@ -350,7 +359,10 @@ class Journal:
     def write_problem(self) -> str | None:
         """Why the journal cannot write at all right now, when it knows (SQLite: its file was
         deleted or replaced under it, for good; or its writer process could not start, or three
-        in a row died on their batches, and it waits to try again); None otherwise."""
+        in a row died on their batches, and it waits to try again; either journal: its storage is
+        damaged, for good); None otherwise."""
+        if self.damage is not None:
+            return self.damage
         if self._sqlite_writer is None:
             return None
         return self._sqlite_writer.replaced or self._sqlite_writer.problem
@@ -525,6 +537,13 @@ class Journal:
             metrics.JOURNAL_ERRORS.inc()
             was_healthy, self.healthy = self.healthy, False
             self._rotate_chain()
+            if self.damage is None and damaged(exc):
+                self.damage = f"the journal's storage is damaged ({brief(exc)})"
+                log.error(
+                    "journal: %s: nothing more is written to it until the broker restarts, and every request is refused "
+                    "(JOURNAL_UNAVAILABLE, nothing sent). Operators: stop the broker, keep the damaged file or database, "
+                    "run `affidavit audit verify`, and restore from a backup (docs/operations.md, Backups)", self.damage,
+                )
             # The callers first: dropping a connection to a database that does not answer takes
             # its own bounded wait.
             error = JournalUnavailable(brief(exc), unwritten=not self._on_the_wire or _rolled_back(exc))
@@ -581,6 +600,8 @@ class Journal:
         return refused
 
     async def _write(self, batch: list[Write]) -> dict[int, Exception]:
+        if self.damage is not None:  # refused unsent (see ``damage``)
+            raise JournalDamaged(f"{self.damage}, so nothing more is written to it until the broker restarts")
         if self._sqlite_writer is not None:
             self._on_the_wire = True  # the writer process may have begun it whatever it says
             return await self._call_batch(self._sqlite_writer.write, batch)
