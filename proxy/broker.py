@@ -935,10 +935,18 @@ class Broker:
                     "re-sent safely. Nothing was sent. Reconcile it (the remote's records, or an operator).",
                 )
             if row["generation"] >= row["retry_budget"]:
+                if record.dispatch_count == 0:  # nothing to reconcile: no attempt of it was ever sent
+                    advice = ("None of its attempts was sent either, so nothing happened under this key: once the cause "
+                              "is fixed (GET /v1/invocations/{id} says what ended them), send the operation again with "
+                              "a new key.")
+                elif record.outcome is Outcome.UNKNOWN:
+                    advice = "Its effect is unknown: reconcile it (the remote's records) or ask an operator."
+                else:
+                    advice = f"Its outcome is {record.outcome.value}: GET /v1/invocations/{{id}} says what is known."
                 return self._repeat_envelope(
                     row, record, Code.RETRY_BUDGET_EXHAUSTED,
-                    f"Invocation {row['invocation_id']} used its retry budget ({row['retry_budget']}). Nothing was sent. "
-                    "Reconcile it or ask an operator.",
+                    f"Invocation {row['invocation_id']} used its retry budget ({row['retry_budget']}), so this repeat "
+                    f"with its key was not sent. {advice}",
                 )
             until = now + timedelta(seconds=self.settings.proxy.retry_lease)
             if await self._read(leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until)):
@@ -2069,7 +2077,7 @@ _STOPPED_MID_EXCHANGE = ("The broker is stopping (a restart or a scale-down) and
 _OUT_OF_FILES = ("The broker has no file descriptor left for a connection to the upstream (too many connections are "
                  "open to it). Nothing was sent. Retrying later is safe; operators: raise the broker's open-files "
                  "limit (LimitNOFILE, ulimit -n) or find who holds so many connections open.")
-_CERTIFICATE = " Do not retry until an operator has checked the upstream's certificate or the route's ca_bundle."
+_CERTIFICATE = " Do not retry until an operator has checked the upstream's certificate, or the broker's trust in its CA ([upstream] ca_bundle)."
 
 _MESSAGES = {
     Code.DNS_FAILED: "The upstream host name did not resolve. Nothing was sent." + _RETRY_LATER,

@@ -351,7 +351,10 @@ def test_a_request_never_sent_that_used_its_retry_budget_stops_backing_off(broke
     used = check_envelope(second.content)["error"]
     assert (used["code"], used["outcome"], used["retry"], second.headers["x-should-retry"]) == (
         "CONNECT_REFUSED", "not_attempted", "after_correction", "false"), used
-    assert third.status_code == 429 and check_envelope(third.content)["error"]["code"] == "RETRY_BUDGET_EXHAUSTED"
+    exhausted = check_envelope(third.content)["error"]
+    assert third.status_code == 429 and exhausted["code"] == "RETRY_BUDGET_EXHAUSTED"
+    # Nothing to reconcile (an operator's reconcile refuses a record never sent): a new key is safe.
+    assert "send the operation again with a new key" in exhausted["message"] and "reconcile" not in exhausted["message"]
     record = broker.invocation(check_envelope(first.content)["invocation_id"])
     assert (record["retry"], record["next_action"], record["retry_budget"]) == (
         "after_correction", "stop_for_correction", {"budget": 1, "used": 1}), record
@@ -386,6 +389,7 @@ def test_the_retry_budget_is_durable_across_a_restart(broker, upstream):
     exhausted = check_envelope(third.content)
     assert third.status_code == 429 and exhausted["error"]["code"] == "RETRY_BUDGET_EXHAUSTED"
     assert exhausted["evidence"]["dispatch_started"] is True and len(exhausted["evidence"]["attempts"]) == 2
+    assert "Its effect is unknown: reconcile it" in exhausted["error"]["message"], exhausted
     broker.stop()
     broker.start()
     with broker.client() as client:
