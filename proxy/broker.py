@@ -1192,13 +1192,16 @@ class Broker:
                     "touched no secret. An earlier attempt of this invocation was sent, so its effect is unknown: do "
                     "not send it again as a new operation; have it reconciled (GET /v1/invocations/{id}).",
                 )
-            if req.caller_gone.is_set() and self.stopping:
-                # This broker cut the connection: the request stays held, for the agent's repeat
-                # to a broker that runs (held approvals survive restarts), not ended as the
-                # caller's leaving.
+            if self.stopping:
+                # The request stays held, for the agent's repeat to a broker that runs (held
+                # approvals survive restarts), not ended as the caller's leaving; a caller still
+                # connected is told so at once, rather than cut without an answer at the end of
+                # the stop's wait.
                 log.info("invocation %s: the broker stops while it is held for approval; it stays held",
                          entry.invocation_id)
-                return Reply(499, [], b"", entry.invocation_id)
+                if req.caller_gone.is_set():
+                    return Reply(499, [], b"", entry.invocation_id)
+                return self._held_at_stop(entry)
             if req.caller_gone.is_set():
                 entry.append(EventKind.CALLER_CANCELLED, disposition=req.left_as.value)
                 entry.append(EventKind.FAILED, phase=Phase.VALIDATION, code=Code.CALLER_CANCELLED)
@@ -1213,6 +1216,23 @@ class Broker:
                     "approve it while it waits (GET /v1/approvals).",
                 )
             await req.caller_gone.wait(0.25)
+
+    def _held_at_stop(self, entry: InvocationLog) -> Reply:
+        """The answer to a caller whose request is held for approval when the broker stops: it
+        stays held, and a repeat with its key continues the wait on a broker that runs."""
+        sent_before = entry.record.dispatch_count > 0  # a held re-send of an unknown outcome
+        outcome = Outcome.UNKNOWN if sent_before else Outcome.NOT_ATTEMPTED
+        retry = Retry.SAME_IDEMPOTENCY_KEY if sent_before else Retry.BACKOFF
+        effect = ("This attempt sent nothing, but an earlier attempt of this invocation was sent, so its effect is "
+                  "unknown: repeat it only with the same Idempotency-Key, never as a new operation."
+                  if sent_before else "Nothing was sent.")
+        return self._envelope_reply(
+            entry, Code.APPROVAL_REQUIRED, Phase.VALIDATION, outcome, retry,
+            "The broker is stopping (a restart or a scale-down) while this request was held for an operator's "
+            f"approval. {effect} The request stays held and its card stays listed: repeat it with the same "
+            "Idempotency-Key to a running broker (or this one once it is back), where it waits for the decision and "
+            "is sent once approved.",
+        )
 
     def _approval_still_valid(self, approval: dict[str, Any], entry: InvocationLog, req: AgentRequest, route: Route) -> str | None:
         """Right before the dispatch write: does the approval cover exactly what is about to be

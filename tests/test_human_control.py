@@ -504,6 +504,24 @@ def test_a_denied_repeat_of_an_unknown_outcome_says_unknown_not_never_sent(broke
     assert upstream.effects_by_key[key] == 1
 
 
+def test_a_stop_while_a_resend_of_an_unknown_outcome_is_held_says_unknown_and_the_same_key(make_broker, upstream):
+    """The held repeat sent nothing, but its first attempt was sent: the stop's answer must not
+    say `not_attempted`/`backoff`, which would let an agent take a new key (a second effect)."""
+    broker = make_broker("sqlite", routes=control_routes(upstream))
+    key = "deploy_" + secrets.token_hex(6)
+    again, card = _uncertain_then_held_again(broker, key)
+    broker.stop()
+    answer = again.response()
+    told = check_envelope(answer.content)
+    assert (answer.status_code, told["error"]["code"], told["error"]["outcome"], told["error"]["retry"]) == (
+        409, "APPROVAL_REQUIRED", "unknown", "same_idempotency_key"), told
+    assert "earlier attempt of this invocation was sent" in told["error"]["message"], told
+    assert answer.headers["affidavit-outcome"] == "unknown", answer.headers
+    broker.start()
+    assert broker.invocation(card["invocation_id"])["stage"] == "held"
+    assert upstream.effects_by_key[key] == 1
+
+
 def _uncertain_then_held_again(broker: BrokerProcess, key: str) -> tuple[Held, dict[str, Any]]:
     """A keyed, approved request whose answer was lost (unknown), and its repeat held again for
     approval (a re-send card): the repeat, and its card."""
@@ -570,15 +588,16 @@ def test_a_stop_leaves_a_held_request_held_and_does_not_log_it_ended(make_broker
     its supervisor was killed with SIGKILL and the orphaned workers stop by themselves. Cutting the
     agent's connection on the way is the broker stopping, not the agent leaving: the request stays
     held (as across a crash), and no "invocation ended" line claims an end the journal does not
-    have."""
+    have. The agent is told so at once: it got an empty reply, after the stop's 5 s wait."""
     from tests.test_workers import wait_gone, worker_pids
 
     workers = how == "supervisor killed"
     broker = make_broker("sqlite", routes=control_routes(upstream), **({"proxy": {"workers": 2}} if workers else {}))
     pids = worker_pids(broker) if workers else []
     key = "deploy_" + secrets.token_hex(6)
-    Held(broker, b'{"deploy":"v49"}', key=key, timeout=5)
+    held = Held(broker, b'{"deploy":"v49"}', key=key, timeout=15)
     card = wait_for_card(broker)
+    stopping = time.monotonic()
     if workers:
         assert broker.proc is not None
         broker.proc.kill()  # the supervisor only: its workers notice within a second and stop
@@ -588,6 +607,15 @@ def test_a_stop_leaves_a_held_request_held_and_does_not_log_it_ended(make_broker
         assert "the supervisor (pid" in broker.logs(), "the workers' own log lines reach the test's log"
     else:
         broker.stop()
+    answer = held.response()
+    told = check_envelope(answer.content)
+    assert answer.status_code == 409 and told["invocation_id"] == card["invocation_id"], answer.text
+    assert (told["error"]["code"], told["error"]["outcome"], told["error"]["retry"]) == (
+        "APPROVAL_REQUIRED", "not_attempted", "backoff"), told
+    assert told["error"]["message"].startswith("The broker is stopping") and "stays held" in told["error"]["message"]
+    assert answer.headers["affidavit-idempotency-key"] == key
+    assert time.monotonic() - stopping < 4.5 + (15 if workers else 0), "the stop waited for the held request"
+    assert "still being handled" not in broker.logs()
     ended = [e for e in broker.log_entries()
              if e.get("msg") == "invocation ended" and e.get("invocation_id") == card["invocation_id"]]
     assert ended == [], ended
