@@ -57,6 +57,11 @@ class ApiError(Exception):
 log = logging.getLogger("affidavit.api")
 
 
+def _retry_after(status: int) -> dict[str, str] | None:
+    """``Retry-After`` for an answer that waiting may cure (the journal did not take a write)."""
+    return {"Retry-After": "1"} if status == 503 else None
+
+
 def _problem_body(status: int, title: str, detail: str) -> dict[str, Any]:
     return {"type": "about:blank", "title": title, "status": status, "detail": detail}
 
@@ -623,7 +628,7 @@ def create_app(
             try:  # a record no finding may follow is refused before the remote is asked anything
                 decisions.refuse_unreconcilable(row, project(events))
             except decisions.DecisionRefused as exc:
-                raise ApiError(exc.status, "Refused", exc.message) from None
+                raise ApiError(exc.status, exc.title, exc.message, _retry_after(exc.status)) from None
             if broker is None:
                 raise ApiError(503, "Unavailable", "This process cannot perform lookups.")
             try:
@@ -642,7 +647,7 @@ def create_app(
         except decisions.DecisionRefused as exc:
             looked = (f" (The lookup, invocation {lookup['lookup_invocation_id']}, answered {lookup['status']}: "
                       f"{outcome}.)") if lookup is not None else ""
-            raise ApiError(exc.status, "Refused", exc.message + looked) from None
+            raise ApiError(exc.status, exc.title, exc.message + looked, _retry_after(exc.status)) from None
         result = await view(invocation_id)
         if lookup is not None:
             result["lookup"] = {**lookup, "finding": lookup["finding"].value}
@@ -676,7 +681,7 @@ def create_app(
         try:
             await decisions.decide_approval(journal, row, body.decision == "approve", body.note, "operator")
         except decisions.DecisionRefused as exc:
-            raise ApiError(exc.status, "Refused", exc.message) from None
+            raise ApiError(exc.status, exc.title, exc.message, _retry_after(exc.status)) from None
         return await view(invocation_id)
 
     @app.get("/v1/invocations", tags=["invocations"], summary="List invocations (operator)",

@@ -14,18 +14,20 @@ from .contract import (TRANSITIONS, EventKind, IllegalTransition, Outcome, Recor
                        contradicted_answer, project)
 from .invocation_log import InvocationLog, identity_of
 from .store import queries
-from .store.journal import Journal, LeaseLost
+from .store.journal import Journal, JournalUnavailable, LeaseLost
 
 RECONCILABLE = (Outcome.COMMITTED, Outcome.REJECTED, Outcome.PARTIAL_EFFECT)
 
 
 class DecisionRefused(Exception):
-    """The decision does not fit the record (``status`` is the HTTP status to answer with)."""
+    """The decision does not fit the record, or the journal did not take it (``status`` is the
+    HTTP status to answer with, ``title`` the problem's title)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, title: str = "Refused"):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.title = title
 
 
 async def _append(
@@ -50,6 +52,16 @@ async def _append(
         await entry.commit()
     except LeaseLost:
         raise DecisionRefused(409, f"invocation {row['invocation_id']} changed while deciding; look again") from None
+    except JournalUnavailable as exc:
+        invocation_id = row["invocation_id"]
+        if exc.unwritten:
+            raise DecisionRefused(503, f"the journal could not record {kind.value} on invocation {invocation_id} "
+                                       f"({exc}); nothing was changed. Try again once the database answers.",
+                                  "Journal unavailable") from None
+        raise DecisionRefused(503, f"the journal did not confirm {kind.value} on invocation {invocation_id} ({exc}): "
+                                   "the database may have recorded it all the same. Look before deciding again "
+                                   f"(affidavit invocations show {invocation_id}, or GET /v1/invocations/{{id}}).",
+                              "Journal unavailable") from None
     return entry.record
 
 

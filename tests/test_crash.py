@@ -506,7 +506,7 @@ def test_a_progress_write_lost_in_an_outage_does_not_cost_the_result_once_the_jo
             deadline = time.monotonic() + 5
             while "journal write failed" not in broker.logs()[offset:] and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert "journal write failed; 1 write(s) not recorded" in broker.logs()[offset:], broker.logs()[offset:][-2000:]
+            assert "journal write failed; 1 write(s) not " in broker.logs()[offset:], broker.logs()[offset:][-2000:]
             relay.restore()
             deadline = time.monotonic() + 10
             while httpx.get(broker.api_url + "/readyz", timeout=10).status_code != 200 and time.monotonic() < deadline:
@@ -640,6 +640,34 @@ def test_a_key_binding_that_lands_unacknowledged_is_closed_and_the_key_works_aga
     again = post(broker, SAFE + "/h/ok", key)
     assert again.status_code == 200, again.text
     assert upstream.effects == 2, "the warm-up, and this key's operation once: by the repeat"
+
+
+def test_a_reconciliation_the_database_took_unacknowledged_is_answered_as_maybe_recorded(relayed_pg, make_broker, upstream):
+    """An operator's finding reaches the database, its acknowledgement never returns: the side API
+    answered a bare 500 (with a traceback in the log, which said "not recorded") while the finding
+    was in the record. It answers 503: not confirmed, may be recorded, look before deciding again."""
+    url, relay = relayed_pg
+    broker = _start_on(make_broker, upstream, url)
+    with broker.client() as client:
+        done = client.post(CRASH + "/h/ok", content=b"{}")
+    invocation_id = done.headers["affidavit-invocation-id"]
+    broker.wait_for(invocation_id, lambda r: r["stage"] == "delivered")
+    marker = f"ack-lost-{secrets.token_hex(4)}"
+    seen = len(broker.logs())
+    relay.deafen_after(b'"RECONCILED"')  # the write's batch document names the event's kind (its note is encoded)
+    with broker.operator() as api:
+        answer = api.post(f"/v1/invocations/{invocation_id}/reconcile", json={"outcome": "committed", "note": marker},
+                          timeout=30)
+    relay.restore()
+    problem = answer.json()
+    assert (answer.status_code, problem["title"], answer.headers.get("retry-after")) == (
+        503, "Journal unavailable", "1"), answer.text
+    assert "did not confirm RECONCILED" in problem["detail"] and "may have recorded it" in problem["detail"], problem
+    assert f"affidavit invocations show {invocation_id}" in problem["detail"], problem
+    record = broker.wait_for(invocation_id, lambda r: any(e["kind"] == "RECONCILED" for e in r["events"]), timeout=15)
+    assert [e["data"]["note"] for e in record["events"] if e["kind"] == "RECONCILED"] == [marker], record
+    logs = broker.logs()[seen:]
+    assert "Traceback" not in logs and "not confirmed (the database may have recorded them)" in logs, logs[-3000:]
 
 
 def test_a_write_that_never_reached_the_database_is_answered_as_unrecorded(relayed_pg, make_broker, upstream):

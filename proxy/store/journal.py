@@ -556,11 +556,12 @@ class Journal:
                 since = (f" ({self._failures_unlogged} more failed batch(es) since the last such line)"
                          if self._failures_unlogged else "")
                 queued = f", and {behind} queued behind it were refused unsent" if behind else ""
+                fate = "not recorded" if error.unwritten else "not confirmed (the database may have recorded them)"
                 log.warning(
-                    "journal write failed; %d write(s) not recorded%s: %s. Requests waiting on them were refused "
+                    "journal write failed; %d write(s) %s%s: %s. Requests waiting on them were refused "
                     "(JOURNAL_UNAVAILABLE, nothing sent) or, for a result, delivered flagged RESULT_STORE_FAILED and "
                     "written later; the next write tries a new connection. Operators: check the database.%s",
-                    len(live), queued, brief(exc), since,
+                    len(live), fate, queued, brief(exc), since,
                 )
                 self._failure_logged_at, self._failures_unlogged = now, 0
             else:

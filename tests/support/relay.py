@@ -64,6 +64,9 @@ class TcpRelay:
       ones are accepted and reset at once, so clients fail fast.
     * ``deafen()``: what clients send still reaches the server, its answers are
       held (until ``restore()``): a commit that lands and is never acknowledged.
+    * ``deafen_after(marker)``: forward until a client sends ``marker`` (within one read), then
+      deaf from that message on: it reaches the server, its answer is held. One chosen write lands
+      unacknowledged while the reads before it were answered.
     * ``blackhole()``: nothing moves in either direction; live connections stall
       with their data held, new connections are accepted but never answered.
       ``restore()`` lets held data and held connections continue, like a
@@ -97,6 +100,7 @@ class TcpRelay:
         self._listen_port: int | None = None
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
+        self._deaf_after: bytes | None = None
 
     # -- public surface ---------------------------------------------------------------
 
@@ -154,6 +158,10 @@ class TcpRelay:
         """Requests still reach the server, its answers are held: a commit lands unacknowledged."""
         self._call(self._set_mode("deaf"))
 
+    def deafen_after(self, marker: bytes) -> None:
+        """Forward until a client sends ``marker``; then deaf, from that message on."""
+        self._call(self._arm(marker))
+
     def restore(self) -> None:
         """Forward normally again (held connections resume)."""
         self._call(self._set_mode("forward"))
@@ -197,9 +205,14 @@ class TcpRelay:
         self._server = await asyncio.start_server(self._handle, self.listen_host, 0)
         self._listen_port = int(self._server.sockets[0].getsockname()[1])
 
+    async def _arm(self, marker: bytes) -> None:
+        await self._set_mode("forward")
+        self._deaf_after = marker
+
     async def _set_mode(self, mode: Mode) -> None:
         assert self._flowing is not None and self._answering is not None
         self._mode = mode
+        self._deaf_after = None
         if mode in ("forward", "deaf"):
             self._flowing.set()
             if mode == "forward":
@@ -270,6 +283,8 @@ class TcpRelay:
                     await self._answering.wait()
                 if self._mode == "cut":
                     return
+                if not answers and self._deaf_after is not None and self._deaf_after in data:
+                    await self._set_mode("deaf")  # before it reaches the server: its answer is held
                 dst.write(data)
                 await dst.drain()
                 self.bytes_forwarded += len(data)
