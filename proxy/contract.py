@@ -561,8 +561,13 @@ def contradicted_answer(record: Record, finding: Outcome) -> Outcome | None:
     That answer is the strongest evidence there is, so changing the outcome it gave, or the one a
     deliberate earlier finding put over it, must say so (``override``). ``partial_effect`` after
     ``committed`` refines it (the remote ran, and did part) and overturns nothing. A policy for new
-    decisions, not a transition rule: history recorded before it still projects."""
-    if not record.response_complete or record.status is None:
+    decisions, not a transition rule: history recorded before it still projects.
+
+    The remote's answer to a lookup (a finding of certainty ``remote_query``) is held the same
+    way, on a record without a complete answer of its own: a later finding that overturns it
+    (another lookup's included) says so too."""
+    looked_up = record.reconciled_outcome is not None and record.certainty is Certainty.REMOTE_QUERY
+    if (not record.response_complete or record.status is None) and not looked_up:
         return None
     current = record.outcome
     if finding is current or (current is Outcome.COMMITTED and finding is Outcome.PARTIAL_EFFECT):

@@ -126,7 +126,10 @@ async def reconcile(
         refuse_unreconcilable(row, record)
         overturned = contradicted_answer(record, outcome)
         if overturned is not None and not override:
-            if record.reconciled_outcome is None or overturned is classify_status(record.status):
+            if not record.response_complete or record.status is None:  # a lookup's answer set it
+                held = (f"the remote's answer to a lookup set the outcome to {overturned.value} (certainty "
+                        f"remote_query), and a finding of {outcome.value} would overturn it")
+            elif record.reconciled_outcome is None or overturned is classify_status(record.status):
                 agreed = " (as an earlier finding does)" if record.reconciled_outcome is not None else ""
                 held = (f"the remote's complete answer (status {record.status}) says {overturned.value}{agreed}, and a "
                         f"finding of {outcome.value} would overturn it")

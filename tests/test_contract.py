@@ -34,6 +34,8 @@ from proxy.contract import (
     retry_hint,
 )
 
+from proxy.decisions import RECONCILABLE
+
 K = EventKind
 POST = Operation(idempotent=False, fingerprint="sha256:a")
 POST_WITH_CONTRACT = Operation(idempotent=False, remote_contract=True, fingerprint="sha256:a")
@@ -309,6 +311,20 @@ def test_a_finding_against_the_remotes_complete_answer_is_named_as_such(status, 
     # After it, re-stating that finding overturns nothing; going back to the answer overturns it.
     assert contradicted_answer(recorded, Outcome(finding)) is None
     assert contradicted_answer(recorded, classify_status(status)) is Outcome(finding)
+
+
+@pytest.mark.parametrize("found", ["committed", "rejected", "partial_effect"])
+def test_the_remotes_answer_to_a_lookup_is_overturned_only_on_purpose(found):
+    """No complete answer, but the remote answered a lookup: a finding against that is refused
+    without override, one that restates it is not, and an operator's own finding binds nothing."""
+    unknown = [*DISPATCH, failed(Phase.REMOTE_EXECUTION, Code.REMOTE_OUTCOME_UNKNOWN)]
+    looked_up = fold([*unknown, ev(K.RECONCILED, outcome=found, certainty="remote_query")])
+    for finding in RECONCILABLE:
+        overturned = contradicted_answer(looked_up, finding)
+        refines = found == "committed" and finding is Outcome.PARTIAL_EFFECT
+        assert overturned is (None if finding.value == found or refines else Outcome(found)), finding
+    attested = fold([*unknown, ev(K.RECONCILED, outcome=found, certainty="operator_attested")])
+    assert all(contradicted_answer(attested, finding) is None for finding in RECONCILABLE)
 
 
 @pytest.mark.parametrize("status", [200, 500])

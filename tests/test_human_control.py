@@ -232,6 +232,17 @@ def test_reconcile_by_lookup_asks_the_remote_through_the_broker(broker, upstream
     assert looked["method"] == "GET" and looked["target"].endswith(f"for={key}")
     assert looked["agent"] == "builder" and looked["outcome"] == "committed"
     assert [r.method for r in sent(upstream)] == ["POST", "GET"]
+    # The remote's own answer is held like a complete response: a mistyped id cannot undo it.
+    with broker.operator() as api:
+        flipped = api.post(f"/v1/invocations/{invocation_id}/reconcile", json={"outcome": "rejected"})
+        assert flipped.status_code == 409, flipped.text
+        assert ("the remote's answer to a lookup set the outcome to committed (certainty remote_query), and a finding "
+                "of rejected would overturn it" in flipped.json()["detail"]), flipped.text
+        assert broker.invocation(invocation_id, broker.operator_token)["events"] == record["events"], "nothing appended"
+        restated = api.post(f"/v1/invocations/{invocation_id}/reconcile", json={"outcome": "committed", "reference": "ch_1"})
+        assert restated.status_code == 200, restated.text
+        forced = api.post(f"/v1/invocations/{invocation_id}/reconcile", json={"outcome": "rejected", "override": True})
+        assert forced.status_code == 200 and forced.json()["outcome"] == "rejected", forced.text
 
 
 def test_lookup_404_means_no_effect(make_broker, upstream):
