@@ -635,6 +635,13 @@ def create_app(
                 lookup = await broker.lookup(row)
             except LookupUnavailable as exc:
                 raise ApiError(422, "No lookup", str(exc)) from None
+            if lookup["finding"] is None and lookup["code"] is not None:
+                asked = ("the remote was not asked (nothing was sent)" if lookup["lookup_outcome"] == "not_attempted"
+                         else "no complete answer came back")
+                raise ApiError(409, "No finding", f"The lookup (invocation {lookup['lookup_invocation_id']}) got no "
+                                                  f"answer from the remote: the broker answered it {lookup['code']} "
+                                                  f"({lookup['status']}): {asked}. The record is unchanged; see that "
+                                                  "invocation for why, and look up again once it is cured.")
             if lookup["finding"] is None:
                 raise ApiError(409, "No finding", f"The lookup (invocation {lookup['lookup_invocation_id']}) answered "
                                                   f"{lookup['status']}, which proves nothing; the record is unchanged.")
@@ -650,7 +657,8 @@ def create_app(
             raise ApiError(exc.status, exc.title, exc.message + looked, _retry_after(exc.status)) from None
         result = await view(invocation_id)
         if lookup is not None:
-            result["lookup"] = {**lookup, "finding": lookup["finding"].value}
+            result["lookup"] = {"lookup_invocation_id": lookup["lookup_invocation_id"], "status": lookup["status"],
+                                "finding": lookup["finding"].value}
         return result
 
     @app.get("/v1/approvals", tags=["operators"], summary="Requests held for an operator's approval",

@@ -1117,13 +1117,15 @@ class Broker:
         reply = await self.handle(req)
         if reply.delivered is not None:
             reply.delivered()  # the broker itself consumed the answer
-        proxied = not any(k == CODE_HEADER for k, _ in reply.headers)
+        code = next((v for k, v in reply.headers if k == CODE_HEADER), None)  # the broker's own answer, not the remote's
+        outcome = next((v for k, v in reply.headers if k == OUTCOME_HEADER), None)
         finding = None
-        if proxied and 200 <= reply.status < 300:
+        if code is None and 200 <= reply.status < 300:
             finding = Outcome.COMMITTED
-        elif proxied and reply.status in (404, 410):
+        elif code is None and reply.status in (404, 410):
             finding = Outcome.REJECTED
-        return {"lookup_invocation_id": reply.invocation_id, "status": reply.status, "finding": finding}
+        return {"lookup_invocation_id": reply.invocation_id, "status": reply.status, "finding": finding,
+                "code": code, "lookup_outcome": outcome}
 
     # -- approvals (contract section 12) -------------------------------------------------------
 

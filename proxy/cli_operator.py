@@ -344,15 +344,32 @@ def operator_api(settings: Settings) -> Any:
     return SideAPI(f"http://{host}:{port}", token, timeout=60)
 
 
-def call_api(settings: Settings, method: str, path: str, body: Any = None) -> Any:
+def call_api(settings: Settings, method: str, path: str, body: Any = None, *, fields: tuple[str, ...] = (),
+             invocation_id: str | None = None) -> Any:
+    """One operator call of the side API: its answer, whose ``fields`` must be there; or exit 1,
+    saying why. ``invocation_id``: the record a decision (a POST) is about, to look at when the
+    broker did not answer in time (it may still be making the decision)."""
     from .client import SideAPIUnavailable
 
     api = operator_api(settings)
     try:
         status, answer = api.call(method, path, body)
     except SideAPIUnavailable as exc:
-        typer.echo(f"affidavit: {exc} (is the broker running?)", err=True)
+        if method != "GET" and isinstance(exc.__cause__, TimeoutError):
+            look = f" (affidavit invocations show {invocation_id})" if invocation_id else ""
+            typer.echo(f"affidavit: {exc}: no answer within {api.timeout:g} s. The broker may still make this change "
+                       "(a lookup is a request to the remote of its own, and may wait on its route): look at the "
+                       f"record{look} before you repeat it.", err=True)
+        else:
+            typer.echo(f"affidavit: {exc} (is the broker running?)", err=True)
         raise typer.Exit(1) from None
+    if not isinstance(answer, dict) or (status < 400 and any(f not in answer for f in fields)):
+        typer.echo(f"affidavit: the server at {api.base_url} answered {status}, but not as an Affidavit side API does "
+                   f"(no {', '.join(f for f in fields if not isinstance(answer, dict) or f not in answer) or 'JSON object'}"
+                   "): is api.listen in this configuration the broker's side API, and is it this broker's "
+                   "configuration (--config)?" + (" Whether the change was made, the record says." if method != "GET" else ""),
+                   err=True)
+        raise typer.Exit(1)
     if status >= 400:
         detail = answer.get("detail") if isinstance(answer, dict) else answer
         if isinstance(detail, list):  # a 422's problems, one per field: never their input (a long note, say)
@@ -394,7 +411,7 @@ def approvals_list(
     page: dict[str, Any] = {"next": None}
     while True:  # every page, oldest first: each starts past the last one's ids, so this ends
         after = f"&after={page['next']}" if page["next"] else ""
-        page = call_api(settings, "GET", f"/v1/approvals?limit={APPROVALS_PAGE}{after}")
+        page = call_api(settings, "GET", f"/v1/approvals?limit={APPROVALS_PAGE}{after}", fields=("items",))
         items.extend(page["items"])
         if not page.get("next"):
             break
@@ -432,7 +449,8 @@ def _caller(card: dict[str, Any]) -> str:
 
 def _decide(config: Path | None, invocation_id: str, decision: str, note: str | None) -> None:
     settings = settings_or_exit(config)
-    record = call_api(settings, "POST", f"/v1/approvals/{quote(invocation_id, safe='')}", {"decision": decision, "note": note})
+    record = call_api(settings, "POST", f"/v1/approvals/{quote(invocation_id, safe='')}", {"decision": decision, "note": note},
+                      fields=("stage", "outcome"), invocation_id=invocation_id)
     done = {"approve": "approved", "deny": "denied"}[decision]
     typer.echo(f"{invocation_id}: {done} (stage {record['stage']}, outcome {record['outcome']})")
 
@@ -475,7 +493,8 @@ def reconcile(
     body = {"outcome": outcome, "reference": reference, "note": note, "lookup": lookup}
     if override:  # only when asked: a broker from before the field refuses unknown fields
         body["override"] = True
-    record = call_api(settings, "POST", f"/v1/invocations/{quote(invocation_id, safe='')}/reconcile", body)
+    record = call_api(settings, "POST", f"/v1/invocations/{quote(invocation_id, safe='')}/reconcile", body,
+                      fields=("outcome", "evidence", "caller_disposition", "retry"), invocation_id=invocation_id)
     found = record.get("lookup")
     if found:
         typer.echo(f"lookup {found['lookup_invocation_id']} answered {found['status']}: {found['finding']}")

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import hashlib
+import http.server
 import json
 import re
 import secrets
+import socket
 import threading
 import time
 from datetime import UTC, datetime
@@ -14,6 +16,7 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
+import typer
 
 from tests.conftest import DIALECTS, module_broker
 from tests.support.broker import BrokerProcess
@@ -125,6 +128,60 @@ def test_a_reconciliation_cannot_claim_not_attempted_or_touch_an_undispatched_re
     with broker.api() as agent_api:
         assert agent_api.post(f"/v1/invocations/{unknown}/reconcile", json={"outcome": "committed"}).status_code == 403
     assert broker.invocation(unknown)["outcome"] == "unknown"
+
+
+class _NotTheSideAPI(http.server.BaseHTTPRequestHandler):
+    """Some other HTTP server, where api.listen points by mistake: JSON, but not the side API's."""
+
+    def _answer(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = b'{"hello": "world"}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("args", [("approvals", "list"), ("approvals", "approve", "act_01M983Q3E5X3V5MXXTEZ5M3DQA"),
+                                  ("reconcile", "act_01M983Q3E5X3V5MXXTEZ5M3DQA", "--outcome", "committed")],
+                         ids=["list", "approve", "reconcile"])
+def test_the_cli_says_when_api_listen_is_not_an_affidavit_side_api(broker, args):
+    """It printed a traceback (KeyError: 'items', 'stage', 'outcome')."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotTheSideAPI)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        done = broker.command(*args, env={"AFFIDAVIT_API__LISTEN": f"127.0.0.1:{server.server_address[1]}"})
+    finally:
+        server.shutdown()
+        server.server_close()
+    said = done.stderr.decode()
+    assert done.returncode == 1 and "answered 200, but not as an Affidavit side API does" in said, said
+    assert "is api.listen in this configuration the broker's side API" in said and "Traceback" not in said, said
+
+
+def test_a_decision_the_broker_does_not_answer_in_time_says_it_may_still_be_made(monkeypatch, capsys):
+    """`reconcile --lookup` gave up after 60 s with "is the broker running?", and the finding was
+    recorded afterwards (the lookup waited on its route). Patched: the CLI's timeout only."""
+    from proxy import cli_operator
+    from proxy.client import SideAPI
+
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does), never answers
+    try:
+        port = silent.getsockname()[1]
+        monkeypatch.setattr(cli_operator, "operator_api", lambda settings: SideAPI(f"http://127.0.0.1:{port}", "t", timeout=0.5))
+        with pytest.raises(typer.Exit):
+            cli_operator.call_api(None, "POST", "/v1/invocations/act_x/reconcile", {"lookup": True}, invocation_id="act_x")
+    finally:
+        silent.close()
+    said = capsys.readouterr().err
+    assert "no answer within 0.5 s. The broker may still make this change" in said, said
+    assert "affidavit invocations show act_x" in said and "is the broker running" not in said, said
 
 
 def test_the_cli_refuses_a_finding_that_is_none_before_it_asks_the_broker(broker, upstream):
@@ -257,6 +314,25 @@ def test_lookup_404_means_no_effect(make_broker, upstream):
     out = cli(broker, "reconcile", invocation_id, "--lookup")
     assert "answered 404: rejected" in out
     assert broker.invocation(invocation_id)["outcome"] == "rejected"
+
+
+def test_a_lookup_the_remote_never_answered_is_not_called_its_answer(make_broker, upstream):
+    """The broker refused the lookup itself (its route does not allow GET): the 409 said "answered
+    405, which proves nothing", as if the remote had answered."""
+    routes = control_routes(upstream)
+    routes[0]["methods"] = ["POST"]
+    broker = make_broker("sqlite", routes=routes)
+    with broker.client() as client:
+        lost = client.post(PAY + "/h/close_after_effect", content=b"{}", headers={"Idempotency-Key": "pay_" + secrets.token_hex(6)})
+    invocation_id = check_envelope(lost.content)["invocation_id"]
+    before = broker.wait_for(invocation_id, lambda r: r["stage"] == "ended_unknown")
+    with broker.operator() as api:
+        looked = api.post(f"/v1/invocations/{invocation_id}/reconcile", json={"lookup": True})
+    detail = looked.json()["detail"]
+    assert looked.status_code == 409 and "got no answer from the remote: the broker answered it " in detail, looked.text
+    assert "the remote was not asked (nothing was sent)" in detail and "proves nothing" not in detail, detail
+    assert broker.invocation(invocation_id, broker.operator_token)["events"] == before["events"]
+    assert [r.method for r in sent(upstream)] == ["POST"]
 
 
 # -- approvals ---------------------------------------------------------------------------------
