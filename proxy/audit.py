@@ -480,7 +480,7 @@ async def _snapshot(url: str) -> AsyncIterator[tuple[AsyncConnection, set[str], 
         try:
             conn, tables = await _open_snapshot(engine)
         except (SQLAlchemyError, OSError) as exc:
-            if (immutable := _immutable_url(url, exc)) is None:
+            if (immutable := immutable_url(url, exc)) is None:
                 raise AuditInputError(f"{where}: the journal could not be read ({brief(exc)})") from None
             # A journal on a read-only file system, or in a directory this user cannot write:
             # SQLite cannot make the shared-memory file a WAL reader needs; read the file as it is.
@@ -524,7 +524,7 @@ async def _open_snapshot(engine: Any) -> tuple[AsyncConnection, set[str]]:
     return conn, tables
 
 
-def _immutable_url(url: str, exc: BaseException) -> str | None:
+def immutable_url(url: str, exc: BaseException) -> str | None:
     """The URL that reads the SQLite journal at ``url`` as an immutable file, when ``exc`` says it
     could not be opened for shared reading (a read-only file system or directory); else None."""
     from urllib.parse import quote

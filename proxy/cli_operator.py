@@ -84,9 +84,14 @@ def ring_of(settings: Settings) -> KeyRing:
         raise typer.Exit(2) from None
 
 
-def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
+def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]], *, writes: bool = False) -> T:
     """Run ``work(engine)`` against the configured journal; a database error is one clear line.
-    A SQLite journal that does not exist is said so (connecting would create an empty file)."""
+    A SQLite journal that does not exist is said so (connecting would create an empty file).
+
+    A read of a SQLite journal this user may read but not share (a read-only file system, or a
+    directory it cannot write, where SQLite cannot make the shared-memory file a WAL reader
+    needs) reads the file as immutable instead, but only when no ``-wal`` file holds commits the
+    file does not: then nothing is missed. ``writes``: the work writes (no such fallback)."""
     from .store.migrate import sqlite_file, sqlite_file_problem, sqlite_where
 
     database = sqlite_file(settings.database.url)
@@ -105,6 +110,16 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
     except Exception as exc:
         if isinstance(exc, typer.Exit):
             raise
+        if not writes and (immutable := _read_only_copy(settings.database.url, exc)) is not None:
+            try:
+                answer = asyncio.run(on_engine(immutable, work, pool_size=1))
+            except Exception:
+                pass  # the first error says best what is wrong
+            else:
+                typer.echo(f"affidavit: note: {database} could not be opened for shared reading (a read-only file system, "
+                           "or a directory this user cannot write), and no -wal file holds commits it lacks, so it was "
+                           "read as it is on disk.", err=True)
+                return answer
         from .config import redact_url
         from .crypto import DecryptError, UnknownKeyId
         from .store.journal import brief
@@ -124,7 +139,12 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
             raise typer.Exit(1) from None
 
         where = f"database.url is {redact_url(settings.database.url)}"
-        if queries.schema_missing(exc):
+        if queries.damaged(exc):
+            advice = (f"{where}: check that it names the broker's journal (a SQLite file the broker made, or its "
+                      "PostgreSQL database); if it does, the journal's storage is damaged: keep the damaged file or "
+                      "database, run `affidavit audit verify`, and restore from a backup (docs/operations.md, Backups). "
+                      "Nothing was changed")
+        elif queries.schema_missing(exc):
             advice = (f"{where}, which has no journal schema, or an older one: run `affidavit db upgrade` with this "
                       "configuration (or start the broker with database.auto_upgrade = true)")
         elif queries.unreachable(exc):
@@ -132,9 +152,23 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]]) -> T:
         else:
             advice = (f"{where}: check that it names the broker's journal (a SQLite file the broker made, or its "
                       "PostgreSQL database); nothing was changed")
-        typer.echo(f"affidavit: the journal could not be read ({exc.__class__.__name__}: {brief(exc)}); {advice}",
+        typer.echo(f"affidavit: the journal could not be {'written' if writes else 'read'} ({exc.__class__.__name__}: "
+                   f"{brief(exc)}); {advice}",
                    err=True)
         raise typer.Exit(1) from None
+
+
+def _read_only_copy(url: str, exc: BaseException) -> str | None:
+    """The URL that reads the SQLite journal at ``url`` as an immutable file, when ``exc`` says it
+    could not be opened for shared reading and no non-empty ``-wal`` file lies beside it."""
+    from .audit import immutable_url
+    from .store.migrate import sqlite_file
+
+    immutable = immutable_url(url, exc)
+    wal = Path(f"{sqlite_file(url)}-wal")
+    if immutable is None or (wal.exists() and wal.stat().st_size > 0):
+        return None
+    return immutable
 
 
 def _whole_table(title: str, columns: tuple[str, ...], cells: list[list[str]]) -> bool:

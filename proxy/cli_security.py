@@ -7,22 +7,20 @@ written to a 0600 file and only its path is shown.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, Awaitable, Callable, NoReturn, Optional, TypeVar
+from typing import Annotated, NoReturn, Optional
 
 import typer
-from sqlalchemy.exc import SQLAlchemyError
 
 from .cli_operator import ConfigOption, defaults_notice, settings_or_exit, with_engine
+from .store.migrate import sqlite_file, sqlite_where
 from .config import ConfigError, load_settings, redact_url
 from .credentials import CredentialUnavailable
 
-T = TypeVar("T")
 
 secrets_app = typer.Typer(help="Secrets in the encrypted vault (values from stdin or a prompt, never argv).", no_args_is_help=True)
 audit_app = typer.Typer(help="The audit hash chain: verify offline without any key, export.", no_args_is_help=True)
@@ -47,16 +45,6 @@ def _keys() -> None:
 def _fail(message: str, code: int = 1) -> NoReturn:
     typer.echo(f"affidavit: {message}", err=True)
     raise typer.Exit(code)
-
-
-def _with_engine(url: str, work: Callable[[Any], Awaitable[T]]) -> T:
-    """Run ``work(engine)`` on the journal database; database errors become one clear line."""
-    from .store.journal import brief, on_engine
-
-    try:
-        return asyncio.run(on_engine(url, work))
-    except (SQLAlchemyError, OSError) as exc:
-        _fail(f"the database {redact_url(url)} could not be used ({brief(exc)}); is it reachable and upgraded (`affidavit db upgrade`)?")
 
 
 # -- secrets ---------------------------------------------------------------------------------
@@ -110,12 +98,18 @@ def _store(ctx: typer.Context, config: Path | None, name: str, verb: str) -> Non
         vault.check_unlocked(ring, name)
         # The schema as `affidavit run` would have it: a new SQLite journal is created and
         # upgraded (the vault lives in it); PostgreSQL must have been upgraded already.
+        database = sqlite_file(settings.database.url)
+        new = database is not None and not Path(database).exists()
         prepare_database(settings, nothing="Nothing was stored", then="run the command again")
-        if verb == "rotate" and _with_engine(settings.database.url, lambda engine: vault.latest_version(engine, name)) is None:
+        if new:  # a relative database.url run from another directory, say: the broker would never see it
+            typer.echo(f"affidavit: note: there was no journal at {sqlite_where(database)}, so a new one was made there "
+                       "to hold the vault; a broker reads this secret only if its database.url names this file (run "
+                       "the command where the broker runs, or pass its --config)", err=True)
+        if verb == "rotate" and with_engine(settings, lambda engine: vault.latest_version(engine, name), writes=True) is None:
             raise vault.nothing_to_rotate(name)
         value = _read_value()
         store = vault.rotate if verb == "rotate" else vault.put
-        version = _with_engine(settings.database.url, lambda engine: store(engine, ring, name, value))
+        version = with_engine(settings, lambda engine: store(engine, ring, name, value), writes=True)
     except ConfigError as exc:
         _fail(str(exc), 2)
     except StartupError as exc:

@@ -764,3 +764,49 @@ def test_a_journal_in_a_directory_the_auditor_cannot_write_is_still_verified(req
     total = len(WRITERS) * INVOCATIONS_PER_WRITER * EVENTS_PER_INVOCATION
     assert f"audit chain intact in {url}: {total} event(s)" in done.stdout, done.stdout + done.stderr
     assert "could not be opened for shared reading" in done.stderr and "read as an immutable file" in done.stderr
+
+
+def test_the_journal_commands_read_a_journal_in_a_directory_this_user_cannot_write(request, tmp_path):
+    """`invocations list/show` and `metrics` failed as they do for `audit verify` above ("attempt to
+    write a readonly database ... the broker must write its journal"), though the operator at 3 a.m.
+    only reads. They read the file as it is on disk, and say so, when no -wal file holds commits it
+    lacks; with one, they refuse as before (reading the file alone would miss those commits)."""
+    import shutil
+
+    assert shutil.which("setpriv"), "setpriv (util-linux) is needed to drop root's override of file permissions"
+    directory = tmp_path / "readonly"
+    directory.mkdir()
+    url = database_url("sqlite", directory, request, migrated=True)
+    asyncio.run(write_journal(url))
+    with sqlite3.connect(directory / "journal.db") as conn:  # as a broker's journal is (its writer sets it)
+        assert conn.execute("PRAGMA journal_mode=WAL").fetchone() == ("wal",)
+    for leftover in directory.glob("journal.db-*"):
+        leftover.unlink()
+    [[invocation_id]] = query(url, "SELECT invocation_id FROM invocations LIMIT 1")
+    config = tmp_path / "affidavit.toml"
+    config.write_text(tomli_w.dumps({"database": {"url": url}}))
+    (directory / "journal.db").chmod(0o444)
+    directory.chmod(0o555)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AFFIDAVIT_")}
+
+    def as_reader(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", sys.executable, "-m", "proxy", *args,
+             "--config", str(config)], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+
+    try:
+        listed = as_reader("invocations", "list", "--since", "1h")
+        shown = as_reader("invocations", "show", invocation_id)
+        counted = as_reader("metrics", "--since", "1h")
+        directory.chmod(0o755)
+        (directory / "journal.db-wal").write_bytes(b"\x37\x7f\x06\x82" + bytes(60))  # commits the file lacks
+        directory.chmod(0o555)
+        refused = as_reader("invocations", "show", invocation_id)
+    finally:
+        directory.chmod(0o755)
+    for done in (listed, shown, counted):
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "could not be opened for shared reading" in done.stderr and "read as it is on disk" in done.stderr
+    assert invocation_id in listed.stdout and invocation_id in shown.stdout, listed.stdout + shown.stdout
+    assert refused.returncode == 1 and "may read and write both" in refused.stderr, refused.stdout + refused.stderr
+    assert "read as it is on disk" not in refused.stderr

@@ -400,8 +400,26 @@ def test_secrets_set_on_a_new_sqlite_journal_creates_it_as_the_broker_would(tmp_
     done = run_cli("secrets_app", "set", "payments-key", "-c", str(config), cwd=workdir, env=cli_env(key), stdin=canary())
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "affidavit: stored payments-key v1"
+    # Said: run from the wrong directory (a relative database.url), no broker would see the secret.
+    assert f"there was no journal at {workdir / 'journal.db'}, so a new one was made there" in done.stderr, done.stderr
     listed = run_cli("secrets_app", "list", "-c", str(config), cwd=workdir, env=cli_env(key))
     assert "payments-key: v1" in listed.stdout, listed.stderr
+    again = run_cli("secrets_app", "rotate", "payments-key", "-c", str(config), cwd=workdir, env=cli_env(key), stdin=canary())
+    assert again.returncode == 0 and "no journal" not in again.stderr, again.stderr
+
+
+def test_secrets_set_on_a_file_that_is_no_journal_says_it_is_damaged_not_locked(tmp_path: Path):
+    """The advice was the one for a locked file ("check that no other process holds it locked")."""
+    workdir = tmp_path / "garbage"
+    workdir.mkdir()
+    (workdir / "journal.db").write_bytes(b"not a database, " * 512)
+    config = write_config(workdir, f"sqlite+aiosqlite:///{workdir / 'journal.db'}")
+    value = canary()
+    done = run_cli("secrets_app", "set", "payments-key", "-c", str(config), cwd=workdir, env=cli_env(generate_key()),
+                   stdin=value)
+    assert done.returncode == 1, done.stderr
+    assert "it is damaged, or no SQLite database at all" in done.stderr and "restore the journal from a backup" in done.stderr
+    assert "locked" not in done.stderr and value not in done.stdout + done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("verb", ["set", "rotate"])

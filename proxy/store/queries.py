@@ -84,6 +84,10 @@ def what_to_check(exc: BaseException) -> str:
         if _is(error, sqlite3.SQLITE_CANTOPEN, errno.EACCES, None, "unable to open database file"):
             return ("the SQLite file could not be opened; check that it and its directory exist and that this user "
                     "may read and write both (SQLite keeps its -wal and -shm files beside it)")
+        if damaged(error):
+            return ("it is damaged, or no SQLite database at all (a bad disk, a bad copy, another file at that path); "
+                    "keep it, run `affidavit audit verify`, and restore the journal from a backup (docs/operations.md, "
+                    "Backups)")
         if isinstance(error, sqlite3.Error):
             return "the SQLite file could not be used; check that no other process holds it locked and that it is readable"
     return "check that the database is up and that its host, port, database name and credentials are right"
