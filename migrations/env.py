@@ -13,6 +13,8 @@ from proxy.store.migrate import connect_args
 from proxy.store.schema import metadata
 
 config = context.config
+#: The advisory lock key an upgrade of a PostgreSQL journal holds ("AFDV" in ASCII).
+UPGRADE_LOCK = 0x41464456
 
 
 def _run(connection: Connection) -> None:
@@ -23,6 +25,12 @@ def _run(connection: Connection) -> None:
         compare_type=True,
     )
     with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            # One upgrade at a time (two operators, two brokers with auto_upgrade): a second waits
+            # here until the first commits, then finds the schema it made, instead of failing on
+            # the same CREATE. SQLite's BEGIN IMMEDIATE serialises writers already.
+            connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({UPGRADE_LOCK})")
+        config.attributes["revision_before"] = context.get_context().get_current_revision()
         context.run_migrations()
 
 

@@ -181,8 +181,10 @@ def db_upgrade(config: ConfigOption = None) -> None:
     database = migrate.sqlite_file(settings.database.url)
     new_file = database is not None and not Path(database).exists()
     try:
-        before = None if new_file else schema_revision(settings.database.url)  # a newer broker's: refused as `run` does
-        migrate.upgrade(settings.database.url)
+        if not new_file:
+            schema_revision(settings.database.url)  # a newer broker's: refused as `run` does
+        # What it was at, read under the upgrade's lock: a concurrent upgrade's work is not claimed.
+        before = migrate.upgrade(settings.database.url)
     except ConfigError as exc:
         typer.echo(f"affidavit: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -713,6 +713,28 @@ def test_db_upgrade_says_what_it_did(tmp_path, pg_admin_url, dialect):
         drop()
 
 
+def test_concurrent_db_upgrades_of_a_new_postgresql_journal_make_it_once_and_say_so(tmp_path, pg_admin_url):
+    """Two operators (or brokers with auto_upgrade) at once: one failed on the other's CREATE
+    (duplicate key in pg_type), or both said they had created the schema. One creates it; the
+    others wait for it, then find nothing to do."""
+    from proxy.store import migrate
+    from tests.support.pg import fresh_database
+
+    url, drop = fresh_database(pg_admin_url)
+    env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")}, "AFFIDAVIT_DATABASE__URL": url}
+    try:
+        runs = [subprocess.Popen([AFFIDAVIT, "db", "upgrade"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 cwd=tmp_path, env=env) for _ in range(4)]
+        said = [run.communicate(timeout=120) for run in runs]
+        assert [run.returncode for run in runs] == [0] * 4, said
+        head, shown = migrate.head(), redact_url(url)
+        assert sorted(out.strip() for out, _ in said) == sorted(
+            [f"affidavit: created the journal's schema; {shown} is at revision {head}"]
+            + [f"affidavit: nothing to do; {shown} is at revision {head} already"] * 3), said
+    finally:
+        drop()
+
+
 def test_db_upgrade_and_run_refuse_a_sqlite_schema_a_newer_broker_made(tmp_path):
     """The systemd unit runs `affidavit db upgrade` before every start (ExecStartPre), so after a
     rollback this is the message an operator reads; SQLite, upgraded at every start, says the same."""

@@ -24,9 +24,12 @@ def _config(url: str) -> Config:
     return config
 
 
-def upgrade(url: str, revision: str = "head") -> None:
-    """Bring the database at ``url`` to ``revision``. Synchronous: call it outside the event loop."""
-    command.upgrade(_config(url), revision)
+def upgrade(url: str, revision: str = "head") -> str | None:
+    """Bring the database at ``url`` to ``revision``; returns the revision it was at, read under
+    the upgrade's lock (None: no schema). Synchronous: call it outside the event loop."""
+    config = _config(url)
+    command.upgrade(config, revision)
+    return config.attributes.get("revision_before")
 
 
 #: How long the commands that run outside the broker (migrations, `audit`) wait for PostgreSQL
