@@ -305,9 +305,11 @@ def invocations_result(
         if row is None:
             typer.echo(f"affidavit: no invocation {invocation_id!r} in the journal", err=True)
         else:
+            why = ("it was never sent, so there is no response" if row["outcome"] == "not_attempted"
+                   else "no complete response was recorded")
             typer.echo(f"affidavit: invocation {invocation_id!r} has no stored result (outcome {row['outcome']}, code "
-                       f"{row['code'] or '-'}): no complete response was recorded. `affidavit invocations show "
-                       f"{invocation_id}` has the record.", err=True)
+                       f"{row['code'] or '-'}): {why}. `affidavit invocations show {invocation_id}` has the record.",
+                       err=True)
         raise typer.Exit(1)
     if headers:
         typer.echo(f"HTTP {stored['status']}")
@@ -487,6 +489,10 @@ def _decide(config: Path | None, invocation_id: str, decision: str, note: str | 
                       fields=("stage", "outcome"), invocation_id=invocation_id)
     done = {"approve": "approved", "deny": "denied"}[decision]
     typer.echo(f"{invocation_id}: {done} (stage {record['stage']}, outcome {record['outcome']})")
+    if decision == "approve" and (record.get("owner") or {}).get("stale"):
+        typer.echo(f"{invocation_id}: the broker that held it has stopped, so no caller waits on it: nothing is sent "
+                   "until the agent repeats the request with the same Idempotency-Key (then it is sent under this "
+                   "approval, once)")
 
 
 @approvals_app.command("approve")

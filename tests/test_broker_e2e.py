@@ -384,6 +384,7 @@ def test_invocations_show_and_result_read_the_journal_and_say_which_is_missing(b
     done = broker.command("invocations", "result", refused)
     err = done.stderr.decode()
     assert done.returncode == 1 and "has no stored result (outcome not_attempted, code INVALID_TARGET)" in err, err
+    assert "it was never sent, so there is no response" in err and "no complete response was recorded" not in err, err
     for command in ("show", "result"):
         done = broker.command("invocations", command, "act_01M8TRTD8RSQZTD7JJN9HZ5237")
         assert done.returncode == 1 and b"no invocation 'act_01M8TRTD8RSQZTD7JJN9HZ5237' in the journal" in done.stderr, done

@@ -734,6 +734,8 @@ def test_a_card_whose_broker_stopped_says_no_caller_waits_on_it(make_broker, ups
     assert listed["owner"]["stale"] is True and listed["owner"]["silent_s"] >= 1.0, listed["owner"]
     listing = cli(broker, "approvals", "list")
     assert "gone (approval waits for a repeat)" in " ".join(listing.split()), listing
+    approved = cli(broker, "approvals", "approve", card["invocation_id"])
+    assert "nothing is sent until the agent repeats the request with the same Idempotency-Key" in approved, approved
 
 
 def test_a_held_request_survives_a_restart(make_broker, upstream):
