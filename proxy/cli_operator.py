@@ -248,8 +248,8 @@ def invocations_list(
     console.print(f"invocations (last {since}, UTC), newest first", highlight=False)
     for invocation_id, at, agent, route_, method, phase_, outcome_, code_, retry, status in cells:
         console.print(f"{invocation_id}  {at}  {agent}  {method}", highlight=False)
-        facts = [f"route {route_ or '-'}", outcome_, phase_, code_ or "-", f"retry {retry or '-'}", f"status {status or '-'}"]
-        console.print("    " + "  ".join(facts), highlight=False)
+        _print_facts([f"route {route_ or '-'}", outcome_, phase_, code_ or "-", f"retry {retry or '-'}",
+                      f"status {status or '-'}"])
 
 
 def _unknown_route_notice(settings: Settings, route: str | None) -> None:
@@ -472,8 +472,22 @@ def approvals_list(
     console.print("held for approval", highlight=False)
     for invocation_id, agent, route, method, target, body, credential, approves, retry, caller in cells:
         console.print(f"{invocation_id}  {agent}  {route}  {method} {target}", highlight=False)
-        console.print(f"    body {body}  credential {credential}  approves {approves}" + (f"  {retry}" if retry else "")
-                      + f"  caller {caller}", highlight=False)
+        _print_facts([f"body {body}", f"credential {credential}", f"approves {approves}", *([retry] if retry else []),
+                      f"caller {caller}"])
+
+
+def _print_facts(facts: list[str], indent: str = "    ") -> None:
+    """``facts`` on indented lines under a row's first line, as many to a line as fit the
+    terminal: a label stays with its value, and a line is broken only between facts (one fact
+    wider than the terminal alone wraps)."""
+    line = ""
+    for fact in facts:
+        if line and len(indent) + len(line) + 2 + len(fact) > console.width:
+            console.print(indent + line, highlight=False)
+            line = ""
+        line = f"{line}  {fact}" if line else fact
+    if line:
+        console.print(indent + line, highlight=False)
 
 
 def _caller(card: dict[str, Any]) -> str:

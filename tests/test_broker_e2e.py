@@ -407,6 +407,12 @@ def test_invocations_list_reads_at_any_width_and_refuses_a_filter_typo(broker: B
             assert len(line.rstrip()) <= int(width), line
             around = text[text.index(invocation_id):][:int(width) * 3]
             assert "payments.create" in around and "UNSUPPORTED_ACTION" in around and "after_correction" in around, text
+        if width == "200":
+            continue  # the table
+        # Broken between facts only: a label keeps its value, and every continuation is indented.
+        rows_shown = text.splitlines()[1:]
+        assert all(line.startswith(("act_", "    ")) for line in rows_shown if line.strip()), text
+        assert not any(line.rstrip().endswith((" route", " retry", " status")) for line in rows_shown), text
     # A window reaching back past year 1 (where dates end) lists everything; it is no traceback.
     endless = broker.command("invocations", "list", "--code", "UNSUPPORTED_ACTION", "--since", "99999999999d", "--json")
     assert endless.returncode == 0 and set(ids) <= {json.loads(line)["invocation_id"] for line in endless.stdout.decode().splitlines()}, endless
