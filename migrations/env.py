@@ -28,7 +28,7 @@ def _run(connection: Connection) -> None:
         if connection.dialect.name == "postgresql":
             # One upgrade at a time (two operators, two brokers with auto_upgrade): a second waits
             # here until the first commits, then finds the schema it made, instead of failing on
-            # the same CREATE. SQLite's BEGIN IMMEDIATE serialises writers already.
+            # the same CREATE. (SQLite: proxy.store.migrate.upgrade holds a lock on the file.)
             connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({UPGRADE_LOCK})")
         config.attributes["revision_before"] = context.get_context().get_current_revision()
         context.run_migrations()

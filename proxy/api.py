@@ -635,6 +635,11 @@ def create_app(
                 lookup = await broker.lookup(row)
             except LookupUnavailable as exc:
                 raise ApiError(422, "No lookup", str(exc)) from None
+            if lookup["code"] == "RESULT_STORE_FAILED":
+                raise ApiError(409, "No finding", f"The lookup (invocation {lookup['lookup_invocation_id']}) got the "
+                                                  f"remote's answer ({lookup['status']}), but the broker could not "
+                                                  "record it (RESULT_STORE_FAILED), so no finding rests on it. The "
+                                                  "record is unchanged; look up again once the journal takes writes.")
             if lookup["finding"] is None and lookup["code"] is not None:
                 asked = ("the remote was not asked (nothing was sent)" if lookup["lookup_outcome"] == "not_attempted"
                          else "no complete answer came back")

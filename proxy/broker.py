@@ -599,6 +599,13 @@ class Broker:
             self._handling.discard(task)  # type: ignore[arg-type]
 
     async def _handle(self, req: AgentRequest) -> Reply:
+        if self.journal.damage is not None:
+            # Refused before anything touches the journal (a key's lookup, a lease, a replay's read):
+            # its storage is damaged, and nothing is recorded in it until a restart.
+            return self._journal_unavailable(message=(
+                "The broker's journal is damaged, so it records nothing and sent nothing (it never forwards without a "
+                "durable record). No invocation was recorded. Retry after a delay, to a broker that runs on a sound "
+                "journal; operators: see the broker log."), unwritten=True)
         matched = match_route(self.settings.routes, req.agent, req.scheme, req.host, req.port, req.method, req.path)
         route = matched if not isinstance(matched, Refusal) else None
         target = normalized_target(req.scheme, req.host, req.port, req.path)
@@ -776,7 +783,7 @@ class Broker:
         """Approval (if the route wants one), credential, then the exchange: one attempt."""
         approval: dict[str, Any] | None = None
         if route.approval:
-            held = await self._hold(entry, req, route)
+            held = await self._hold(entry, req, route, resumable=key is not None and not generated)
             if isinstance(held, Reply):
                 return held
             approval = held
@@ -1124,6 +1131,8 @@ class Broker:
             finding = Outcome.COMMITTED
         elif code is None and reply.status in (404, 410):
             finding = Outcome.REJECTED
+        # (RESULT_STORE_FAILED: the remote answered, completely, but the lookup's own record of it
+        # failed; a finding resting on an unrecorded answer is not made.)
         return {"lookup_invocation_id": reply.invocation_id, "status": reply.status, "finding": finding,
                 "code": code, "lookup_outcome": outcome}
 
@@ -1150,9 +1159,10 @@ class Broker:
             "retry_of_uncertain_action": entry.record.dispatch_started or None,
         }
 
-    async def _hold(self, entry: InvocationLog, req: AgentRequest, route: Route) -> dict[str, Any] | Reply:
+    async def _hold(self, entry: InvocationLog, req: AgentRequest, route: Route, *, resumable: bool) -> dict[str, Any] | Reply:
         """Hold the request, durably, until an operator decides, the route's timeout passes, or
-        the caller leaves. Returns the grant, or the reply that ends the attempt."""
+        the caller leaves. Returns the grant, or the reply that ends the attempt. ``resumable``:
+        the agent's own key names it, so its repeat can take the hold over after a stop."""
         if entry.record.stage is Stage.APPROVED and entry.record.approval is not None:
             return dict(entry.record.approval)  # decided while no broker held it (a taken-over record)
         if entry.record.stage is not Stage.HELD:
@@ -1203,6 +1213,14 @@ class Broker:
                          entry.invocation_id)
                 if req.caller_gone.is_set():
                     return Reply(499, [], b"", entry.invocation_id)
+                if not resumable:  # no key of the agent's names it: no repeat could take it over
+                    return await self._refuse(
+                        entry, Phase.VALIDATION, Code.APPROVAL_REQUIRED,
+                        "The broker is stopping (a restart or a scale-down) while this request was held for an "
+                        "operator's approval. Nothing was sent. Without an Idempotency-Key of the agent's own the "
+                        "hold cannot be taken over by a repeat, so it ends here and its card is withdrawn. Send the "
+                        "request again to a running broker (with an Idempotency-Key, a held request survives a restart).",
+                    )
                 return self._held_at_stop(entry)
             if req.caller_gone.is_set():
                 entry.append(EventKind.CALLER_CANCELLED, disposition=req.left_as.value)

@@ -197,7 +197,7 @@ def db_upgrade(config: ConfigOption = None) -> None:
         typer.echo(f"affidavit: could not upgrade {redact_url(settings.database.url)}: {brief(exc)}{advice}", err=True)
         raise typer.Exit(1) from None
     head, url = migrate.head(), redact_url(settings.database.url)
-    if new_file:
+    if before is None and new_file:
         done = f"created the journal file {migrate.sqlite_where(database)}"  # type: ignore[arg-type]
     elif before is None:
         done = "created the journal's schema"

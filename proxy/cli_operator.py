@@ -108,8 +108,8 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]], *, writ
     try:
         return asyncio.run(on_engine(settings.database.url, work, pool_size=2))
     except Exception as exc:
-        if isinstance(exc, typer.Exit):
-            raise
+        if isinstance(exc, typer.Exit) or (writes and not isinstance(exc, queries.DATABASE_ERRORS)):
+            raise  # a write's own refusal (the vault's, say) is its caller's to word
         if not writes and (immutable := _read_only_copy(settings.database.url, exc)) is not None:
             try:
                 answer = asyncio.run(on_engine(immutable, work, pool_size=1))
@@ -391,15 +391,16 @@ def call_api(settings: Settings, method: str, path: str, body: Any = None, *, fi
     try:
         status, answer = api.call(method, path, body)
     except SideAPIUnavailable as exc:
-        if method != "GET" and isinstance(exc.__cause__, TimeoutError):
+        if method != "GET" and isinstance(exc.__cause__, TimeoutError) and exc.sent:
             look = f" (affidavit invocations show {invocation_id})" if invocation_id else ""
-            typer.echo(f"affidavit: {exc}: no answer within {api.timeout:g} s. The broker may still make this change "
-                       "(a lookup is a request to the remote of its own, and may wait on its route): look at the "
-                       f"record{look} before you repeat it.", err=True)
+            lookup = (" (a lookup is a request to the remote of its own, and may wait on its route)"
+                      if isinstance(body, dict) and body.get("lookup") else "")
+            typer.echo(f"affidavit: {exc}: no answer within {api.timeout:g} s. The broker may still make this "
+                       f"change{lookup}: look at the record{look} before you repeat it.", err=True)
         else:
             typer.echo(f"affidavit: {exc} (is the broker running?)", err=True)
         raise typer.Exit(1) from None
-    if not isinstance(answer, dict) or (status < 400 and any(f not in answer for f in fields)):
+    if status < 400 and (not isinstance(answer, dict) or any(f not in answer for f in fields)):
         typer.echo(f"affidavit: the server at {api.base_url} answered {status}, but not as an Affidavit side API does "
                    f"(no {', '.join(f for f in fields if not isinstance(answer, dict) or f not in answer) or 'JSON object'}"
                    "): is api.listen in this configuration the broker's side API, and is it this broker's "

@@ -71,7 +71,11 @@ class SideAPIError(AffidavitError):
 
 
 class SideAPIUnavailable(SideAPIError):
-    """The side API could not be reached within the timeout. Nothing is known; ask again later."""
+    """The side API could not be reached within the timeout. Nothing is known; ask again later.
+    ``sent``: the request had been sent whole when the answer failed to come (the broker may act
+    on it); False when the connection itself failed."""
+
+    sent: bool = False
 
 
 class InvocationNotFound(SideAPIError):
@@ -330,6 +334,7 @@ class SideAPI:
             )
         else:
             conn = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
+        sent = False
         try:
             headers = {"Authorization": f"Bearer {self._token}", "Accept": "application/json"}
             payload = None
@@ -337,10 +342,13 @@ class SideAPI:
                 payload = json.dumps(body).encode()
                 headers["Content-Type"] = "application/json"
             conn.request(method, self._prefix + path, body=payload, headers=headers)
+            sent = True
             response = conn.getresponse()
             return response.status, response.getheaders(), response.read()
         except (OSError, http.client.HTTPException) as exc:
-            raise SideAPIUnavailable(f"side API at {self.base_url} did not answer: {exc.__class__.__name__}") from exc
+            failed = SideAPIUnavailable(f"side API at {self.base_url} did not answer: {exc.__class__.__name__}")
+            failed.sent = sent
+            raise failed from exc
         finally:
             conn.close()
 

@@ -348,6 +348,9 @@ class Record:
     #: The operator's grant for the current attempt (APPROVAL_GRANTED data); one attempt only.
     approval: Mapping[str, Any] | None = None
     certainty: Certainty | None = None
+    #: A finding rests on the remote's answer to a lookup (certainty remote_query), now or before
+    #: a later finding: changing the outcome after it needs override (see contradicted_answer).
+    looked_up: bool = False
     attempts: tuple[Attempt, ...] = ()
     last_seq: int | None = None
 
@@ -446,6 +449,7 @@ def apply(record: Record, event: Event) -> Record:
         changes.update(
             reconciled_outcome=Outcome(event.data["outcome"]),
             certainty=Certainty(event.data["certainty"]),
+            looked_up=record.looked_up or event.data["certainty"] == Certainty.REMOTE_QUERY.value,
         )
     else:
         changes["phase"] = _PHASE_OF[kind]
@@ -564,10 +568,10 @@ def contradicted_answer(record: Record, finding: Outcome) -> Outcome | None:
     decisions, not a transition rule: history recorded before it still projects.
 
     The remote's answer to a lookup (a finding of certainty ``remote_query``) is held the same
-    way, on a record without a complete answer of its own: a later finding that overturns it
-    (another lookup's included) says so too."""
-    looked_up = record.reconciled_outcome is not None and record.certainty is Certainty.REMOTE_QUERY
-    if (not record.response_complete or record.status is None) and not looked_up:
+    way, on a record without a complete answer of its own: once one is there, a later finding
+    that changes the outcome (another lookup's included, and one after a restating finding) says
+    so too."""
+    if (not record.response_complete or record.status is None) and not record.looked_up:
         return None
     current = record.outcome
     if finding is current or (current is Outcome.COMMITTED and finding is Outcome.PARTIAL_EFFECT):

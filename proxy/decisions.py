@@ -54,6 +54,10 @@ async def _append(
         raise DecisionRefused(409, f"invocation {row['invocation_id']} changed while deciding; look again") from None
     except JournalUnavailable as exc:
         invocation_id = row["invocation_id"]
+        if journal.damage is not None:  # no wait cures it (see Journal.damage)
+            raise DecisionRefused(503, f"the journal could not record {kind.value} on invocation {invocation_id}: "
+                                       f"{journal.damage}, and nothing is recorded in it until the broker restarts "
+                                       "(see its log). Nothing was changed.", "Journal unavailable") from None
         if exc.unwritten:
             raise DecisionRefused(503, f"the journal could not record {kind.value} on invocation {invocation_id} "
                                        f"({exc}); nothing was changed. Try again once the database answers.",
@@ -126,9 +130,9 @@ async def reconcile(
         refuse_unreconcilable(row, record)
         overturned = contradicted_answer(record, outcome)
         if overturned is not None and not override:
-            if not record.response_complete or record.status is None:  # a lookup's answer set it
-                held = (f"the remote's answer to a lookup set the outcome to {overturned.value} (certainty "
-                        f"remote_query), and a finding of {outcome.value} would overturn it")
+            if not record.response_complete or record.status is None:  # a lookup's answer set it, or stands behind it
+                held = (f"the outcome is {overturned.value}, on a record where the remote's answer to a lookup set it "
+                        f"(certainty remote_query), and a finding of {outcome.value} would overturn it")
             elif record.reconciled_outcome is None or overturned is classify_status(record.status):
                 agreed = " (as an earlier finding does)" if record.reconciled_outcome is not None else ""
                 held = (f"the remote's complete answer (status {record.status}) says {overturned.value}{agreed}, and a "

@@ -713,24 +713,30 @@ def test_db_upgrade_says_what_it_did(tmp_path, pg_admin_url, dialect):
         drop()
 
 
-def test_concurrent_db_upgrades_of_a_new_postgresql_journal_make_it_once_and_say_so(tmp_path, pg_admin_url):
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_concurrent_db_upgrades_of_a_new_journal_make_it_once_and_say_so(tmp_path, pg_admin_url, dialect):
     """Two operators (or brokers with auto_upgrade) at once: one failed on the other's CREATE
-    (duplicate key in pg_type), or both said they had created the schema. One creates it; the
-    others wait for it, then find nothing to do."""
+    (duplicate key in pg_type; on SQLite "table invocations already exists"), or both said they
+    had created the schema. One creates it; the others wait for it, then find nothing to do."""
     from proxy.store import migrate
     from tests.support.pg import fresh_database
 
-    url, drop = fresh_database(pg_admin_url)
+    if dialect == "sqlite":
+        journal = tmp_path / "journal.db"
+        url, drop = f"sqlite+aiosqlite:///{journal}", lambda: None
+    else:
+        url, drop = fresh_database(pg_admin_url)
     env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")}, "AFFIDAVIT_DATABASE__URL": url}
     try:
         runs = [subprocess.Popen([AFFIDAVIT, "db", "upgrade"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 cwd=tmp_path, env=env) for _ in range(4)]
+                                 cwd=tmp_path, env=env) for _ in range(6)]
         said = [run.communicate(timeout=120) for run in runs]
-        assert [run.returncode for run in runs] == [0] * 4, said
+        assert [run.returncode for run in runs] == [0] * 6, said
         head, shown = migrate.head(), redact_url(url)
+        created = f"created the journal file {journal}" if dialect == "sqlite" else "created the journal's schema"
         assert sorted(out.strip() for out, _ in said) == sorted(
-            [f"affidavit: created the journal's schema; {shown} is at revision {head}"]
-            + [f"affidavit: nothing to do; {shown} is at revision {head} already"] * 3), said
+            [f"affidavit: {created}; {shown} is at revision {head}"]
+            + [f"affidavit: nothing to do; {shown} is at revision {head} already"] * 5), said
     finally:
         drop()
 

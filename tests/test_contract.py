@@ -319,10 +319,14 @@ def test_the_remotes_answer_to_a_lookup_is_overturned_only_on_purpose(found):
     without override, one that restates it is not, and an operator's own finding binds nothing."""
     unknown = [*DISPATCH, failed(Phase.REMOTE_EXECUTION, Code.REMOTE_OUTCOME_UNKNOWN)]
     looked_up = fold([*unknown, ev(K.RECONCILED, outcome=found, certainty="remote_query")])
-    for finding in RECONCILABLE:
-        overturned = contradicted_answer(looked_up, finding)
-        refines = found == "committed" and finding is Outcome.PARTIAL_EFFECT
-        assert overturned is (None if finding.value == found or refines else Outcome(found)), finding
+    # Restating it (to add a reference) is the operator's finding now; the lookup still stands behind it.
+    restated = fold([*unknown, ev(K.RECONCILED, outcome=found, certainty="remote_query"),
+                     ev(K.RECONCILED, outcome=found, certainty="operator_attested", reference="ch_1")])
+    for record in (looked_up, restated):
+        for finding in RECONCILABLE:
+            overturned = contradicted_answer(record, finding)
+            refines = found == "committed" and finding is Outcome.PARTIAL_EFFECT
+            assert overturned is (None if finding.value == found or refines else Outcome(found)), finding
     attested = fold([*unknown, ev(K.RECONCILED, outcome=found, certainty="operator_attested")])
     assert all(contradicted_answer(attested, finding) is None for finding in RECONCILABLE)
 

@@ -408,6 +408,21 @@ def test_secrets_set_on_a_new_sqlite_journal_creates_it_as_the_broker_would(tmp_
     assert again.returncode == 0 and "no journal" not in again.stderr, again.stderr
 
 
+def test_secrets_set_under_another_key_file_says_so_not_that_the_journal_failed(tmp_path: Path):
+    """The vault's own refusal (exit 2, what to do about the key) must not come out as "the
+    journal could not be written ... check that it names the broker's journal" (exit 1)."""
+    workdir = tmp_path / "keys"
+    workdir.mkdir()
+    config = write_config(workdir, f"sqlite+aiosqlite:///{workdir / 'journal.db'}")
+    first = run_cli("secrets_app", "set", "payments-key", "-c", str(config), cwd=workdir, env=cli_env(generate_key()),
+                    stdin=canary())
+    assert first.returncode == 0, first.stderr
+    other = run_cli("secrets_app", "set", "payments-key", "-c", str(config), cwd=workdir, env=cli_env(generate_key()),
+                    stdin=canary())
+    assert other.returncode == 2 and "another key file" in other.stderr and "nothing was stored" in other.stderr, other.stderr
+    assert "could not be written" not in other.stderr, other.stderr
+
+
 def test_secrets_set_on_a_file_that_is_no_journal_says_it_is_damaged_not_locked(tmp_path: Path):
     """The advice was the one for a locked file ("check that no other process holds it locked")."""
     workdir = tmp_path / "garbage"

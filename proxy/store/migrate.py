@@ -28,7 +28,18 @@ def upgrade(url: str, revision: str = "head") -> str | None:
     """Bring the database at ``url`` to ``revision``; returns the revision it was at, read under
     the upgrade's lock (None: no schema). Synchronous: call it outside the event loop."""
     config = _config(url)
-    command.upgrade(config, revision)
+    database = sqlite_file(url)
+    if database is None:  # PostgreSQL: env.py takes an advisory lock in the upgrade's transaction
+        command.upgrade(config, revision)
+        return config.attributes.get("revision_before")
+    import fcntl
+
+    # SQLite: one upgrade of a file at a time (concurrent ones failed on each other's CREATE). A
+    # flock on the journal file itself: SQLite's own locks are fcntl record locks, which a flock
+    # neither takes nor waits for. Opening it creates the file, as the upgrade would.
+    with open(database, "ab") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        command.upgrade(config, revision)
     return config.attributes.get("revision_before")
 
 
