@@ -426,9 +426,8 @@ def create_app(
 
     async def _journal_error(_request: Request, exc: Exception) -> JSONResponse:
         if queries.damaged(exc):  # no bug of the broker's, so no traceback; nothing a retry cures
-            log.error("side API: the journal's storage is damaged (%s): stop the broker, keep the damaged file or "
-                      "database, run `affidavit audit verify`, and restore from a backup (docs/operations.md, Backups)",
-                      brief(exc))
+            log.error("side API: the journal's storage is damaged (%s): stop the broker, %s", brief(exc),
+                      queries.DAMAGED_ADVICE)
             return _problem(500, "Internal Server Error", "The journal's storage is damaged, so this record cannot be "
                             "read; nothing was changed. Retrying will not help; operators: see the broker log.")
         if not queries.unreachable(exc):  # it answered: a bug or a damaged schema, which waiting will not cure

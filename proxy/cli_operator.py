@@ -141,8 +141,7 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]], *, writ
         where = f"database.url is {redact_url(settings.database.url)}"
         if queries.damaged(exc):
             advice = (f"{where}: check that it names the broker's journal (a SQLite file the broker made, or its "
-                      "PostgreSQL database); if it does, the journal's storage is damaged: keep the damaged file or "
-                      "database, run `affidavit audit verify`, and restore from a backup (docs/operations.md, Backups). "
+                      f"PostgreSQL database); if it does, the journal's storage is damaged: {queries.DAMAGED_ADVICE}. "
                       "Nothing was changed")
         elif queries.schema_missing(exc):
             advice = (f"{where}, which has no journal schema, or an older one: run `affidavit db upgrade` with this "

@@ -578,7 +578,7 @@ def test_a_read_command_on_a_file_that_is_no_journal_names_it(tmp_path):
     assert done.returncode == 1, done.stderr
     assert f"database.url is sqlite+aiosqlite:///{tmp_path / 'notadb.db'}: check that it names the broker's journal" in done.stderr
     assert "see the error above" not in done.stderr and "Traceback" not in done.stderr, done.stderr
-    assert "if it does, the journal's storage is damaged" in done.stderr and "restore from a backup" in done.stderr
+    assert "if it does, the journal's storage is damaged" in done.stderr and "restore the journal from a backup" in done.stderr
 
 
 def test_an_environment_variable_for_a_section_that_does_not_exist_is_refused(tmp_path):

@@ -963,7 +963,7 @@ def test_a_damaged_sqlite_journal_is_named_as_such_by_the_side_api(make_broker, 
     assert answer.status_code == 500 and answer.headers["content-type"] == "application/problem+json", answer.text
     assert "The journal's storage is damaged" in answer.json()["detail"], answer.text
     logs = broker.logs()[seen:]
-    assert "the journal's storage is damaged" in logs and "restore from a backup" in logs and "Traceback" not in logs, logs
+    assert "the journal's storage is damaged" in logs and "restore the journal from a backup" in logs and "Traceback" not in logs, logs
 
 
 DAMAGED_LINE = "nothing more is written to it until the broker restarts"
@@ -1012,7 +1012,7 @@ def test_a_journal_whose_storage_is_damaged_is_not_ready_and_takes_no_more_write
     assert (repeat.status_code, told["code"]) == (503, "JOURNAL_UNAVAILABLE") and "journal is damaged" in told["message"], told
     assert upstream.effects == 2, "nothing was forwarded after the damage was found"
     logs = broker.logs()[seen:]
-    assert logs.count(DAMAGED_LINE) == 1 and "restore from a backup" in logs, logs
+    assert logs.count(DAMAGED_LINE) == 1 and "restore the journal from a backup" in logs, logs
     assert "the journal's storage is damaged" in logs and "Traceback" not in logs, logs
     if dialect == "postgresql":
         assert query(broker.database_url, "SELECT count(*) FROM events") == count, "nothing was written after the damage"

@@ -433,7 +433,7 @@ def test_secrets_set_on_a_file_that_is_no_journal_says_it_is_damaged_not_locked(
     done = run_cli("secrets_app", "set", "payments-key", "-c", str(config), cwd=workdir, env=cli_env(generate_key()),
                    stdin=value)
     assert done.returncode == 1, done.stderr
-    assert "it is damaged, or no SQLite database at all" in done.stderr and "restore the journal from a backup" in done.stderr
+    assert "its storage is damaged" in done.stderr and "restore the journal from a backup" in done.stderr
     assert "locked" not in done.stderr and value not in done.stdout + done.stderr, done.stderr
 
 

@@ -38,7 +38,7 @@ from .. import metrics
 from ..failpoints import failpoint
 from ..crypto import KeyRing, payload_codec, payload_decoder, result_codec, result_decoder
 from .leases import ReplayTally
-from .queries import causes, damaged
+from .queries import DAMAGED_ADVICE, causes, damaged
 from .reading import READ_ONLY
 from .sqlite_writer import SqliteWriter
 from .schema import events
@@ -541,8 +541,7 @@ class Journal:
                 self.damage = f"the journal's storage is damaged ({brief(exc)})"
                 log.error(
                     "journal: %s: nothing more is written to it until the broker restarts, and every request is refused "
-                    "(JOURNAL_UNAVAILABLE, nothing sent). Operators: stop the broker, keep the damaged file or database, "
-                    "run `affidavit audit verify`, and restore from a backup (docs/operations.md, Backups)", self.damage,
+                    "(JOURNAL_UNAVAILABLE, nothing sent). Operators: stop the broker, %s", self.damage, DAMAGED_ADVICE,
                 )
             # The callers first: dropping a connection to a database that does not answer takes
             # its own bounded wait.

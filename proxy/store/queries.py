@@ -85,9 +85,8 @@ def what_to_check(exc: BaseException) -> str:
             return ("the SQLite file could not be opened; check that it and its directory exist and that this user "
                     "may read and write both (SQLite keeps its -wal and -shm files beside it)")
         if damaged(error):
-            return ("it is damaged, or no SQLite database at all (a bad disk, a bad copy, another file at that path); "
-                    "keep it, run `affidavit audit verify`, and restore the journal from a backup (docs/operations.md, "
-                    "Backups)")
+            return ("its storage is damaged (a bad disk, a bad copy; for SQLite, also another file at that path, which "
+                    f"is no database at all): check that it names the broker's journal; if it does, {DAMAGED_ADVICE}")
         if isinstance(error, sqlite3.Error):
             return "the SQLite file could not be used; check that no other process holds it locked and that it is readable"
     return "check that the database is up and that its host, port, database name and credentials are right"
@@ -102,6 +101,11 @@ def _is(error: BaseException, sqlite_code: int, os_errno: int | None, sqlstate: 
     if isinstance(error, OSError):
         return os_errno is not None and error.errno == os_errno
     return sqlstate is not None and getattr(error, "sqlstate", None) == sqlstate
+
+
+#: What to do about a journal whose storage is damaged (see :func:`damaged`), wherever it is met.
+DAMAGED_ADVICE = ("keep the damaged file or database, run `affidavit audit verify`, and restore the journal from a "
+                  "backup (docs/operations.md, Backups)")
 
 
 def damaged(exc: BaseException) -> bool:
