@@ -1673,5 +1673,7 @@ def test_a_stalled_journal_refuses_within_its_timeout(relayed_pg, make_broker, u
         body = check_envelope(response.content)
         assert (response.status_code, body["error"]["code"]) == (503, "JOURNAL_UNAVAILABLE"), body
         print(f"{took:.1f}")
-    assert max(took for took, _ in answers) < 7.0, [(round(t, 1), r.request.headers.get("idempotency-key", "")[:5]) for t, r in answers]
+    # 5 s, plus what 12 agents' TLS handshakes through the broker take on a loaded 2-core CI
+    # machine (7.04 s seen once there); the unbounded waits this guards against took 10-37 s.
+    assert max(took for took, _ in answers) < 8.5, [(round(t, 1), r.request.headers.get("idempotency-key", "")[:5]) for t, r in answers]
     assert upstream.effects == 1, "only the first request, before the stall, was sent"
