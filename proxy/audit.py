@@ -767,7 +767,7 @@ async def _verify_live(url: str, extra: list[Row]) -> AuditResult:
             read_immutable=bool(conn.info.get(IMMUTABLE)),
         )
         beyond = [*await _records_without_events(conn, tables, raw), *await _events_without_records(conn, tables, raw),
-                  *await _results_not_chained(conn, tables, raw)]
+                  *await _results_not_chained(conn, tables, raw), *await _outcomes_without_evidence(conn, tables, raw)]
         if not walk.flagged and not flagged_invocations:
             result.breaks.extend(beyond)
             return result
@@ -862,15 +862,51 @@ async def _results_not_chained(conn: AsyncConnection, tables: set[str], raw: boo
                   "`invocations result` or the side API would serve for it is not what the upstream answered)")]
 
 
+async def _outcomes_without_evidence(conn: AsyncConnection, tables: set[str], raw: bool) -> list[Break]:
+    """Invocation records whose outcome their events cannot have given them. The record row is
+    the events' projection, written with them, and an outcome comes from evidence only
+    (``contract.Record.outcome``): ``committed``/``rejected`` from the remote's complete answer
+    or a finding, ``partial_effect`` from a finding, ``unknown`` from a dispatch, and
+    ``not_attempted`` only without one. Read from the events' kinds alone (no payload, no key):
+    a row edited to take a record out of the reconciliation queue (``unknown`` made
+    ``committed``) is found, while every chain verifies."""
+    if "invocations" not in tables:
+        return []
+    inv = invocations_table.c
+
+    def has(kind: str) -> Any:
+        return exists().where(and_(events.c.invocation_id == inv.invocation_id, events.c.kind == kind))
+
+    answered_or_found = or_(has("REMOTE_RESPONSE_COMPLETE"), has("RECONCILED"))
+    impossible = or_(
+        and_(inv.outcome.in_(("committed", "rejected")), not_(answered_or_found)),
+        and_(inv.outcome == "partial_effect", not_(has("RECONCILED"))),
+        and_(inv.outcome == "unknown", not_(has("DISPATCH_STARTED"))),
+        and_(inv.outcome == "not_attempted", has("DISPATCH_STARTED")),
+    )
+    query = (select(cast(inv.invocation_id, LargeBinary) if raw else inv.invocation_id)
+             .where(impossible, exists().where(events.c.invocation_id == inv.invocation_id))
+             .order_by(inv.invocation_id))
+    ids = [bytes(i).decode("utf-8", "replace") if raw else i for (i,) in (await conn.execute(query)).all()]
+    if not ids:
+        return []
+    return [Break(Damage.MODIFIED, None, None, ids[0], None,
+                  f"{len(ids)} invocation record(s) ({_named(ids)}) hold an outcome their events cannot have given "
+                  "them (committed or rejected without the remote's complete answer or a finding, unknown without a "
+                  "dispatch, not_attempted after one): the record row was edited. `invocations show` projects the "
+                  "events, and says what is recorded; `invocations list` and the metrics read the edited row")]
+
+
 def verify_database(url: str, extra_checkpoints: Iterable[Row] = ()) -> AuditResult:
     """Verify a live journal. Synchronous (call it outside an event loop); reads no key.
 
     Streams the events: memory stays small however long the journal, but for the damaged part
     (see the comment above :class:`_Walk`). The findings are :func:`verify`'s over every row.
 
-    Beyond the chains, two checks the chains cannot make: an invocation record with no event left
-    (its events were removed: every record starts with one), and a stored result whose body is
-    not the one its chained ``RESULT_COMMITTED`` names (where both are stored in the clear)."""
+    Beyond the chains, checks the chains cannot make: an invocation record with no event left
+    (its events were removed: every record starts with one), events with no record, a stored
+    result whose body is not the one its chained ``RESULT_COMMITTED`` names (where both are
+    stored in the clear), and a record whose outcome its events cannot have given it."""
     return asyncio.run(_verify_live(url, list(extra_checkpoints)))
 
 

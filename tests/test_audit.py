@@ -297,6 +297,32 @@ def test_a_stored_result_replaced_after_it_was_recorded_is_found(make_broker, up
     assert first.detail.startswith(f"1 stored result(s) ({ids[1]}) hold a body whose SHA-256 is not"), first.detail
 
 
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_a_record_edited_to_an_outcome_its_events_cannot_give_is_found(make_broker, upstream, dialect):
+    """An operator-CLI probe set an `unknown` invocation's row to `committed`: it left the
+    reconciliation queue (`invocations list --outcome unknown`, the metrics) and verify said
+    intact. An outcome comes from evidence only, so its events' kinds show the edit, keylessly."""
+    broker = make_broker(dialect)
+    with broker.client() as client:
+        done = client.post("https://api.payments.test/h/status?code=201", content=b"{}").headers["affidavit-invocation-id"]
+        lost = client.post("https://api.payments.test/h/close_after_effect", content=b"{}")
+        refused = client.get("https://nowhere.example.test/")
+    lost_id, refused_id = lost.headers["affidavit-invocation-id"], refused.headers["affidavit-invocation-id"]
+    assert (lost.headers["affidavit-outcome"], refused.headers["affidavit-outcome"]) == ("unknown", "not_attempted")
+    assert broker.stop() == 0
+    assert audit.verify_database(broker.database_url).ok, "a broker's own records, untouched, are consistent"
+    tamper(broker.database_url, f"UPDATE invocations SET outcome = 'committed' WHERE invocation_id = '{lost_id}'",
+           tables=("invocations",))
+    first = assert_first_break(audit.verify_database(broker.database_url), Damage.MODIFIED, None, None, lost_id, None)
+    assert first.detail.startswith(f"1 invocation record(s) ({lost_id}) hold an outcome their events cannot have"), first
+    tamper(broker.database_url, f"UPDATE invocations SET outcome = 'unknown' WHERE invocation_id = '{lost_id}'",
+           f"UPDATE invocations SET outcome = 'unknown' WHERE invocation_id = '{refused_id}'",
+           f"UPDATE invocations SET outcome = 'not_attempted' WHERE invocation_id = '{done}'", tables=("invocations",))
+    edited = sorted([refused_id, done])
+    first = assert_first_break(audit.verify_database(broker.database_url), Damage.MODIFIED, None, None, edited[0], None)
+    assert first.detail.startswith(f"2 invocation record(s) ({', '.join(edited)}) hold an outcome"), first
+
+
 def test_a_forged_row_inserted_with_a_correct_hash_is_found(journal):
     """The careful attacker: a well-formed row linked in at position k, later rows moved up by one."""
     ws, _, _, _ = middle(journal)

@@ -33,7 +33,8 @@ def reference(url: str) -> audit.AuditResult:
         async with audit._snapshot(url) as (conn, tables, raw):
             return [*await audit._records_without_events(conn, tables, raw),
                     *await audit._events_without_records(conn, tables, raw),
-                    *await audit._results_not_chained(conn, tables, raw)]
+                    *await audit._results_not_chained(conn, tables, raw),
+                    *await audit._outcomes_without_evidence(conn, tables, raw)]
 
     result.breaks += asyncio.run(beyond())
     return result

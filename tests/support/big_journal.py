@@ -27,17 +27,25 @@ EVENT_COLUMNS = ("invocation_id", "seq", "kind", "at", "writer", "writer_seq", "
 START = datetime(2026, 3, 1, tzinfo=UTC)
 
 
-def chain_rows(writer: str, count: int, concurrent: int = 16) -> Iterator[dict[str, Any]]:
-    """``count`` events of one writer: ``concurrent`` invocations at a time, eight events each."""
-    prev, slots = GENESIS, [None] * concurrent  # slot -> [invocation_id, next seq]
+def _positions(writer: str, count: int, concurrent: int = 16) -> Iterator[tuple[str, int]]:
+    """(invocation_id, seq) of each of a writer's ``count`` events: ``concurrent`` invocations at
+    a time, eight events each (the last ones cut short where the chain ends)."""
+    slots: list[list[Any] | None] = [None] * concurrent  # slot -> [invocation_id, next seq]
     started = 0
     for ws in range(1, count + 1):
         slot = ws % concurrent
-        if slots[slot] is None or slots[slot][1] > len(KINDS):
+        current = slots[slot]
+        if current is None or current[1] > len(KINDS):
             started += 1
-            slots[slot] = [f"act_{writer}_{started:08d}", 1]
-        invocation_id, seq = slots[slot]
-        slots[slot][1] += 1
+            current = slots[slot] = [f"act_{writer}_{started:08d}", 1]
+        yield current[0], current[1]
+        current[1] += 1
+
+
+def chain_rows(writer: str, count: int, concurrent: int = 16) -> Iterator[dict[str, Any]]:
+    """``count`` events of one writer (see :func:`_positions`), hashed into its chain."""
+    prev = GENESIS
+    for ws, (invocation_id, seq) in enumerate(_positions(writer, count, concurrent), start=1):
         payload = json.dumps({"agent": "builder", "route": "payments.create", "seq": seq, "writer_seq": ws,
                               "note": "x" * 120}).encode()
         row = {"invocation_id": invocation_id, "seq": seq, "kind": KINDS[seq - 1], "at": START + timedelta(milliseconds=ws),
@@ -49,6 +57,10 @@ def chain_rows(writer: str, count: int, concurrent: int = 16) -> Iterator[dict[s
 def build(url: str, writers: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
     """Write each writer's chain (name -> events) and its checkpoints; returns the checkpoints."""
     marks: dict[str, list[dict[str, Any]]] = {}
+    last: dict[str, int] = {}  # each invocation's last seq: its record's outcome follows from it
+    for writer, count in writers.items():
+        for invocation_id, seq in _positions(writer, count):
+            last[invocation_id] = seq
 
     def rows() -> Iterator[dict[str, Any]]:
         for writer, count in writers.items():
@@ -58,7 +70,7 @@ def build(url: str, writers: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
                     marks[writer].append(mark(row))
                 yield row
 
-    insert(url, rows(), lambda: [m for ms in marks.values() for m in ms])
+    insert(url, rows(), lambda: [m for ms in marks.values() for m in ms], last)
     return marks
 
 
@@ -67,19 +79,21 @@ def mark(row: dict[str, Any]) -> dict[str, Any]:
     return {"writer": row["writer"], "writer_seq": row["writer_seq"], "hash": row["hash"], "at": row["at"]}
 
 
-def insert(url: str, rows: Iterable[dict[str, Any]], marks: Callable[[], list[dict[str, Any]]] = list, batch: int = 20_000) -> None:
+def insert(url: str, rows: Iterable[dict[str, Any]], marks: Callable[[], list[dict[str, Any]]] = list,
+           last: dict[str, int] | None = None, batch: int = 20_000) -> None:
     """Store ``rows`` as they come, each invocation's record row with its first event (as the
     broker writes them, in one transaction: ``audit verify`` reports events without a record),
-    then the checkpoints ``marks()`` returns (after the rows)."""
+    then the checkpoints ``marks()`` returns (after the rows). ``last``: each invocation's last
+    seq, for the outcome its record holds (default: all eight events)."""
     sink = _sqlite_sink(url) if url.startswith("sqlite") else _pg_sink(url)
     next(sink)
     pending: list[dict[str, Any]] = []
     for row in rows:
         pending.append(row)
         if len(pending) >= batch:
-            sink.send((pending, _records(pending), []))
+            sink.send((pending, _records(pending, last or {}), []))
             pending = []
-    sink.send((pending, _records(pending), marks()))
+    sink.send((pending, _records(pending, last or {}), marks()))
     sink.close()
 
 
@@ -88,15 +102,23 @@ INVOCATION_COLUMNS = ("invocation_id", "created_at", "updated_at", "agent", "rou
                       "dispatch_started", "last_seq", "owner", "generation", "attempts_used", "retry_budget", "replays")
 
 
-def _records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The record row of each invocation whose first event is among ``rows`` (a delivered one:
-    ``audit verify`` reads no projection column, only that the row is there)."""
+def _outcome(last_seq: int) -> str:
+    """The outcome of an invocation whose events are the first ``last_seq`` of :data:`KINDS` (what
+    ``audit verify`` checks a record's outcome against)."""
+    if last_seq >= KINDS.index("REMOTE_RESPONSE_COMPLETE") + 1:
+        return "committed"
+    return "unknown" if last_seq >= KINDS.index("DISPATCH_STARTED") + 1 else "not_attempted"
+
+
+def _records(rows: list[dict[str, Any]], last: dict[str, int]) -> list[dict[str, Any]]:
+    """The record row of each invocation whose first event is among ``rows`` (``audit verify``
+    reads only that the row is there, and that its outcome fits the events' kinds)."""
     return [{"invocation_id": r["invocation_id"], "created_at": r["at"], "updated_at": r["at"], "agent": "builder",
              "route": "payments.create", "method": "POST", "target": "https://api.payments.test:443/v1/charges",
              "fingerprint": "sha256:" + "0" * 64, "idempotent": False, "remote_contract": False, "stage": "delivered",
-             "phase": "result_delivery", "outcome": "committed", "caller_disposition": "completed",
-             "dispatch_started": True, "last_seq": len(KINDS), "owner": r["writer"], "generation": 0,
-             "attempts_used": 1, "retry_budget": 3, "replays": 0}
+             "phase": "result_delivery", "outcome": _outcome(last.get(r["invocation_id"], len(KINDS))),
+             "caller_disposition": "completed", "dispatch_started": True, "last_seq": len(KINDS), "owner": r["writer"],
+             "generation": 0, "attempts_used": 1, "retry_budget": 3, "replays": 0}
             for r in rows if r["seq"] == 1]
 
 
