@@ -139,18 +139,17 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]], *, writ
             raise typer.Exit(1) from None
 
         where = f"database.url is {redact_url(settings.database.url)}"
+        names_it = (f"{where}: check that it names the broker's journal (a SQLite file the broker made, or its "
+                    "PostgreSQL database)")
         if queries.damaged(exc):
-            advice = (f"{where}: check that it names the broker's journal (a SQLite file the broker made, or its "
-                      f"PostgreSQL database); if it does, the journal's storage is damaged: {queries.DAMAGED_ADVICE}. "
-                      "Nothing was changed")
+            advice = f"{names_it}; if it does, the journal's storage is damaged: {queries.DAMAGED_ADVICE}. Nothing was changed"
         elif queries.schema_missing(exc):
             advice = (f"{where}, which has no journal schema, or an older one: run `affidavit db upgrade` with this "
                       "configuration (or start the broker with database.auto_upgrade = true)")
         elif queries.unreachable(exc):
             advice = f"{where}: {queries.what_to_check(exc)}, then run the command again"
         else:
-            advice = (f"{where}: check that it names the broker's journal (a SQLite file the broker made, or its "
-                      "PostgreSQL database); nothing was changed")
+            advice = f"{names_it}; nothing was changed"
         typer.echo(f"affidavit: the journal could not be {'written' if writes else 'read'} ({exc.__class__.__name__}: "
                    f"{brief(exc)}); {advice}",
                    err=True)

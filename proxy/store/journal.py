@@ -359,10 +359,8 @@ class Journal:
     def write_problem(self) -> str | None:
         """Why the journal cannot write at all right now, when it knows (SQLite: its file was
         deleted or replaced under it, for good; or its writer process could not start, or three
-        in a row died on their batches, and it waits to try again; either journal: its storage is
-        damaged, for good); None otherwise."""
-        if self.damage is not None:
-            return self.damage
+        in a row died on their batches, and it waits to try again); None otherwise. (Damaged
+        storage, which stops every write too, is :attr:`damage`.)"""
         if self._sqlite_writer is None:
             return None
         return self._sqlite_writer.replaced or self._sqlite_writer.problem

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from alembic import command
@@ -28,19 +30,25 @@ def upgrade(url: str, revision: str = "head") -> str | None:
     """Bring the database at ``url`` to ``revision``; returns the revision it was at, read under
     the upgrade's lock (None: no schema). Synchronous: call it outside the event loop."""
     config = _config(url)
-    database = sqlite_file(url)
-    if database is None:  # PostgreSQL: env.py takes an advisory lock in the upgrade's transaction
-        command.upgrade(config, revision)
-        return config.attributes.get("revision_before")
-    import fcntl
-
-    # SQLite: one upgrade of a file at a time (concurrent ones failed on each other's CREATE). A
-    # flock on the journal file itself: SQLite's own locks are fcntl record locks, which a flock
-    # neither takes nor waits for. Opening it creates the file, as the upgrade would.
-    with open(database, "ab") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
+    with _one_upgrade_at_a_time(sqlite_file(url)):
         command.upgrade(config, revision)
     return config.attributes.get("revision_before")
+
+
+@contextmanager
+def _one_upgrade_at_a_time(database: str | None) -> Iterator[None]:
+    """Concurrent upgrades of one journal take turns (they failed on each other's CREATE).
+    PostgreSQL (``database`` None): env.py takes an advisory lock in the upgrade's transaction.
+    SQLite: a flock on the journal file itself; SQLite's own locks are fcntl record locks, which
+    a flock neither takes nor waits for. Opening it creates the file, as the upgrade would."""
+    if database is None:
+        yield
+        return
+    import fcntl
+
+    with open(database, "ab") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield
 
 
 #: How long the commands that run outside the broker (migrations, `audit`) wait for PostgreSQL
