@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from sqlalchemy import LargeBinary, String, and_, cast, distinct, exists, func, inspect, not_, or_, select
 from sqlalchemy.engine import make_url
@@ -96,12 +96,14 @@ __all__ = [
     "AuditResult",
     "Break",
     "Damage",
+    "Export",
     "checkpoint_due",
     "checkpoint_row",
     "export_events",
     "load_database",
     "read_checkpoints",
     "read_dump",
+    "read_export",
     "verify",
     "verify_database",
     "verify_dump",
@@ -109,6 +111,9 @@ __all__ = [
 
 Row = Mapping[str, Any]
 EXPORT_FORMAT = "affidavit-audit-export"
+#: 2: the file ends with a line counting its events and checkpoints (1 had none).
+EXPORT_VERSION = 2
+_EXPORT_END = "affidavit-audit-export-end"
 
 
 class Damage(StrEnum):
@@ -157,6 +162,8 @@ class AuditResult:
     #: The SQLite file was read as immutable: it could not be opened for shared reading (a
     #: read-only file system or directory), so a -wal file beside it went unread.
     read_immutable: bool = False
+    #: The dump has no end line (an older affidavit's export): a cut at a line boundary is unseen.
+    unended: bool = False
 
     @property
     def ok(self) -> bool:
@@ -911,8 +918,10 @@ def verify_database(url: str, extra_checkpoints: Iterable[Row] = ()) -> AuditRes
 
 
 def verify_dump(path: Path, extra_checkpoints: Iterable[Row] = ()) -> AuditResult:
-    rows, marks = read_dump(path)
-    return verify(rows, [*marks, *extra_checkpoints])
+    export = read_export(path)
+    result = verify(export.events, [*export.checkpoints, *extra_checkpoints])
+    result.unended = not export.ended
+    return result
 
 
 def export_events(url: str, path: Path) -> tuple[int, int]:
@@ -930,7 +939,7 @@ async def _export(url: str, path: Path) -> tuple[int, int]:
     async with _snapshot(url) as (conn, tables, raw):
         marks = await _read_marks(conn, tables)
         with _written(path) as out:
-            header = {"type": EXPORT_FORMAT, "format": 1, "exported_at": canonical_time(datetime.now(UTC))}
+            header = {"type": EXPORT_FORMAT, "format": EXPORT_VERSION, "exported_at": canonical_time(datetime.now(UTC))}
             out.write(json.dumps(header) + "\n")
             async for batch in _stream(conn, _events_query(raw)):
                 out.write("".join(json.dumps(_event_line(_decoded(dict(r), raw)), sort_keys=True) + "\n" for r in batch))
@@ -939,6 +948,7 @@ async def _export(url: str, path: Path) -> tuple[int, int]:
                 line = {"type": "checkpoint", "writer": mark["writer"], "writer_seq": int(mark["writer_seq"]),
                         "hash": mark["hash"], "at": canonical_time(mark["at"])}
                 out.write(json.dumps(line, sort_keys=True) + "\n")
+            out.write(json.dumps({"type": _EXPORT_END, "events": count, "checkpoints": len(marks)}) + "\n")
     return count, len(marks)
 
 
@@ -979,26 +989,69 @@ def _event_line(row: Row) -> dict[str, Any]:
     }
 
 
-def read_dump(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Events and checkpoints from an :func:`export_events` file (line order does not matter)."""
+class Export(NamedTuple):
+    """What an :func:`export_events` file holds. ``ended`` is False for a file an older affidavit
+    wrote (format 1), which has no end line: one cut short at a line boundary looks whole."""
+
+    events: list[dict[str, Any]]
+    checkpoints: list[dict[str, Any]]
+    ended: bool
+
+
+def read_export(path: Path, events: bool = True) -> Export:
+    """The events (only checked, not kept, unless ``events``: ``verify --checkpoints`` needs the
+    checkpoints alone, so an export of millions of events costs no more memory than those) and
+    checkpoints of an :func:`export_events` file; line order does not matter.
+
+    Raises :class:`AuditInputError` for a file that is not an export, or one that does not hold
+    what its end line counts: cut short (a copy interrupted, a full disk) or lines removed. The
+    count guards against accidents, not forgers, who can edit it too: keep exports where the
+    journal's administrators cannot write."""
     rows: list[dict[str, Any]] = []
     marks: list[dict[str, Any]] = []
-    for kind, item in _dump_lines(path, events=True):
-        (rows if kind == "event" else marks).append(item)
-    return rows, marks
+    seen = 0
+    version: int | None = None
+    end: dict[str, Any] | None = None
+    for kind, item in _dump_lines(path, events):
+        if kind == "event":
+            seen += 1
+            if events:
+                rows.append(item)
+        elif kind == "checkpoint":
+            marks.append(item)
+        elif kind == EXPORT_FORMAT:
+            version = item.get("format")
+        else:
+            end = item
+    if version is not None and version >= 2 and end is None:
+        raise AuditInputError(
+            f"{path}: the export is incomplete: it has no end line, so it was cut short (a copy interrupted, a disk "
+            f"full) after {seen} event(s) and {len(marks)} checkpoint(s). Nothing was verified; use a complete copy "
+            "or export again (`affidavit audit export`)")
+    if end is not None and (end["events"], end["checkpoints"]) != (seen, len(marks)):
+        raise AuditInputError(
+            f"{path}: the export is incomplete or was edited: its end line counts {end['events']} event(s) and "
+            f"{end['checkpoints']} checkpoint(s), the file holds {seen} and {len(marks)}. Nothing was verified; "
+            "use a complete copy or export again (`affidavit audit export`)")
+    return Export(rows, marks, ended=end is not None)
+
+
+def read_dump(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Events and checkpoints from an :func:`export_events` file (see :func:`read_export`)."""
+    export = read_export(path)
+    return export.events, export.checkpoints
 
 
 def read_checkpoints(path: Path) -> list[dict[str, Any]]:
-    """Only the checkpoints of an :func:`export_events` file (for ``verify --checkpoints``): the
-    file is read line by line and its events are checked to be lines of an export but not kept,
-    so an export of millions of events costs no more memory than its checkpoints."""
-    return [item for kind, item in _dump_lines(path, events=False) if kind == "checkpoint"]
+    """Only the checkpoints of an :func:`export_events` file (for ``verify --checkpoints``)."""
+    return read_export(path, events=False).checkpoints
 
 
 def _dump_lines(path: Path, events: bool) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(type, line)`` for each event and checkpoint line of a dump, in file order; the events'
-    payloads decoded if ``events``, else the events are only checked and yielded empty."""
+    """``(type, line)`` for each line of a dump, in file order; the events' payloads decoded if
+    ``events``, else the events are only checked and yielded empty."""
     number = 0
+    ended = False
     try:
         with Path(path).open(encoding="utf-8") as lines:
             for number, line in enumerate(lines, 1):
@@ -1011,11 +1064,22 @@ def _dump_lines(path: Path, events: bool) -> Iterator[tuple[str, dict[str, Any]]
                         _check_types(item, _EVENT_FIELDS)
                         if events:
                             item["payload"] = base64.b64decode(item["payload"], validate=True)
-                            yield kind, item
+                        yield kind, item if events else {}
                     elif kind == "checkpoint":
                         _check_types(item, _CHECKPOINT_FIELDS)
                         yield kind, item
-                    elif kind != EXPORT_FORMAT:
+                    elif kind == EXPORT_FORMAT:
+                        if item.get("format") not in (1, EXPORT_VERSION):
+                            raise ValueError(f"export format {item.get('format')!r}, which this version does not know "
+                                             "(a newer affidavit wrote it: verify with that version)")
+                        yield kind, item
+                    elif kind == _EXPORT_END:
+                        _check_types(item, _END_FIELDS)
+                        if ended:
+                            raise ValueError("a second end line")
+                        ended = True
+                        yield kind, item
+                    else:
                         raise ValueError(f"unknown line type {kind!r}")
                 except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as exc:
                     raise AuditInputError(f"{path}:{number}: not a line of an audit export ({exc})") from None
@@ -1028,6 +1092,7 @@ _EVENT_FIELDS: dict[str, tuple[type, ...]] = {
     "prev_hash": (str,), "hash": (str,), "key_id": (str, type(None)), "payload": (str,),
 }
 _CHECKPOINT_FIELDS: dict[str, tuple[type, ...]] = {"writer": (str,), "writer_seq": (int,), "hash": (str,)}
+_END_FIELDS: dict[str, tuple[type, ...]] = {"events": (int,), "checkpoints": (int,)}
 
 
 def _check_types(item: dict[str, Any], fields: dict[str, tuple[type, ...]]) -> None:

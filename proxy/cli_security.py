@@ -174,7 +174,8 @@ def audit_verify(
     if database is not None and dump is not None:
         _fail("give --database or --dump, not both", 2)
     try:
-        extra = audit.read_checkpoints(checkpoints) if checkpoints is not None else []
+        earlier = audit.read_export(checkpoints, events=False) if checkpoints is not None else None
+        extra = earlier.checkpoints if earlier is not None else []
         if dump is not None:
             result, source = audit.verify_dump(dump, extra), str(dump)
         else:
@@ -182,6 +183,11 @@ def audit_verify(
             result, source = audit.verify_database(url, extra), redact_url(url)
     except audit.AuditInputError as exc:
         _fail(str(exc), 2)
+    for path, unended in ((dump, result.unended), (checkpoints, earlier is not None and not earlier.ended)):
+        if unended:
+            typer.echo(f"affidavit: warning: {path} has no end line (an older affidavit wrote it), so had it been cut "
+                       "short at a line boundary it would read as whole here: its last events or checkpoints may be "
+                       "missing unseen. Exports written now end with a line that counts them.", err=True)
     if dump is None and (newer := _newer_schema(url)) is not None:
         typer.echo(f"affidavit: warning: {source} is at schema revision {newer[0]}, which a newer affidavit made (this "
                    f"one knows up to {newer[1]}): events it stores in a form this version does not know can read as damage "

@@ -449,14 +449,16 @@ def test_an_earlier_export_held_only_for_its_checkpoints_is_read_in_small_memory
     import tracemalloc
 
     export = tmp_path / "earlier.jsonl"
-    audit.export_events(journal, export)
-    lines = export.read_text().splitlines()
+    events, checkpoints = audit.export_events(journal, export)
+    *lines, end = export.read_text().splitlines()
     event = json.loads(next(line for line in lines if '"type": "event"' in line))
     event["payload"] = "A" * 800  # a payload of realistic size, base64
-    with export.open("a") as out:  # many more events, before the checkpoints that follow them
+    with export.open("w") as out:  # many more events, before the checkpoints that follow them
+        out.write("\n".join(lines) + "\n")
         for n in range(40_000):
             out.write(json.dumps({**event, "writer": "bulk", "writer_seq": n + 1, "seq": n + 1}) + "\n")
         out.write(next(line for line in lines if '"type": "checkpoint"' in line) + "\n")
+        out.write(json.dumps({**json.loads(end), "events": events + 40_000, "checkpoints": checkpoints + 1}) + "\n")
     expected = audit.read_dump(export)[1]
     assert expected, "the export holds checkpoints"
     tracemalloc.start()
@@ -490,6 +492,57 @@ def test_verify_works_on_an_export_and_finds_the_same_break(journal, tmp_path):
     edited[target] = json.dumps({**json.loads(edited[target]), "kind": "RECONCILED"})
     (tmp_path / "edited.jsonl").write_text("\n".join(edited) + "\n")
     assert_first_break(audit.verify_dump(tmp_path / "edited.jsonl"), Damage.MODIFIED, "w1", ws, inv, seq)
+
+
+def test_an_export_cut_short_or_missing_lines_is_refused_not_verified_as_intact(journal, tmp_path):
+    """An export that lost its tail at a line boundary (a copy interrupted, a disk full) used to
+    verify as intact: every event left still chains, and the cut took the checkpoints with it.
+    Its end line counts what a whole export holds, so the cut is seen, by `--dump` and by
+    `--checkpoints` alike. A format-1 export, which has no end line, still verifies, with a warning."""
+    from proxy.cli_security import audit_app
+
+    whole = tmp_path / "whole.jsonl"
+    events, checkpoints = audit.export_events(journal, whole)
+    lines = whole.read_text().splitlines(keepends=True)
+    assert json.loads(lines[-1]) == {"type": "affidavit-audit-export-end", "events": events, "checkpoints": checkpoints}
+    assert checkpoints and audit.verify_dump(whole).ok
+    first_mark = next(i for i, line in enumerate(lines) if '"type": "checkpoint"' in line)
+    cuts = {
+        "in the events": lines[: first_mark - 5],
+        "before the end line": lines[:-1],
+        "a middle event removed": lines[:3] + lines[4:],
+        "a checkpoint removed": lines[:first_mark] + lines[first_mark + 1:],
+    }
+    for name, kept in cuts.items():
+        cut = tmp_path / "cut.jsonl"
+        cut.write_text("".join(kept))
+        said = "cut short" if name in ("in the events", "before the end line") else "incomplete or was edited"
+        with pytest.raises(audit.AuditInputError, match=said):
+            audit.verify_dump(cut)
+        with pytest.raises(audit.AuditInputError, match=said):
+            audit.read_checkpoints(cut)
+        for command in (["verify", "--dump", str(cut)], ["verify", "--database", journal, "--checkpoints", str(cut)]):
+            result = CliRunner().invoke(audit_app, command)
+            assert result.exit_code == 2 and said in result.output and "intact" not in result.output, (name, result.output)
+            assert "Nothing was verified" in result.output
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text("".join(lines + lines[-1:]))
+    with pytest.raises(audit.AuditInputError, match="a second end line"):
+        audit.verify_dump(twice)
+    newer = tmp_path / "newer.jsonl"
+    newer.write_text("".join([json.dumps({**json.loads(lines[0]), "format": 3}) + "\n", *lines[1:]]))
+    with pytest.raises(audit.AuditInputError, match="format 3, which this version does not know"):
+        audit.verify_dump(newer)
+
+    older = tmp_path / "older.jsonl"  # as exports were written before the end line
+    older.write_text("".join([json.dumps({**json.loads(lines[0]), "format": 1}) + "\n", *lines[1:-1]]))
+    assert audit.verify_dump(older).ok
+    for command in (["verify", "--dump", str(older)], ["verify", "--database", journal, "--checkpoints", str(older)]):
+        result = CliRunner().invoke(audit_app, command)
+        assert result.exit_code == 0 and "intact" in result.output, result.output
+        assert f"{older} has no end line" in result.output and "missing unseen" in result.output
+    plain = CliRunner().invoke(audit_app, ["verify", "--dump", str(whole), "--checkpoints", str(whole)])
+    assert plain.exit_code == 0 and "no end line" not in plain.output, plain.output
 
 
 async def write_encrypted(url: str, ring: KeyRing) -> None:

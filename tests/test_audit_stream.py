@@ -170,7 +170,8 @@ def test_an_export_that_fails_half_way_leaves_the_earlier_file_and_no_partial_on
     assert audit.export_events(url, out) == (5000, 20)
     assert oct(out.stat().st_mode & 0o777) == "0o600"
     lines = out.read_text().splitlines()
-    assert len(lines) == 1 + 5000 + 20 and json.loads(lines[1])["writer_seq"] == 1
+    assert len(lines) == 1 + 5000 + 20 + 1 and json.loads(lines[1])["writer_seq"] == 1
+    assert json.loads(lines[-1]) == {"type": "affidavit-audit-export-end", "events": 5000, "checkpoints": 20}
     assert audit.verify_dump(out).ok
 
 
