@@ -538,7 +538,7 @@ class Journal:
             if self.damage is None and damaged(exc):
                 self.damage = f"the journal's storage is damaged ({brief(exc)})"
                 log.error(
-                    "journal: %s: nothing more is written to it until the broker restarts, and every request is refused "
+                    "journal: %s: nothing more is recorded in it until the broker restarts, and every request is refused "
                     "(JOURNAL_UNAVAILABLE, nothing sent). Operators: stop the broker, %s", self.damage, DAMAGED_ADVICE,
                 )
             # The callers first: dropping a connection to a database that does not answer takes
@@ -599,7 +599,7 @@ class Journal:
 
     async def _write(self, batch: list[Write]) -> dict[int, Exception]:
         if self.damage is not None:  # refused unsent (see ``damage``)
-            raise JournalDamaged(f"{self.damage}, so nothing more is written to it until the broker restarts")
+            raise JournalDamaged(f"{self.damage}, so nothing more is recorded in it until the broker restarts")
         if self._sqlite_writer is not None:
             self._on_the_wire = True  # the writer process may have begun it whatever it says
             return await self._call_batch(self._sqlite_writer.write, batch)
