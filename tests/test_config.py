@@ -581,6 +581,39 @@ def test_a_read_command_on_a_file_that_is_no_journal_names_it(tmp_path):
     assert "if it does, the journal's storage is damaged" in done.stderr and "restore the journal from a backup" in done.stderr
 
 
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_a_read_command_notes_a_journal_schema_older_or_newer_than_its_own(tmp_path, request, dialect):
+    """Only `audit verify` used to say that a newer affidavit made the journal's schema; the read
+    commands showed what they could with no word that a newer broker records more than they show,
+    or that the journal was never upgraded to this version's schema."""
+    from proxy.store import migrate
+    from tests.conftest import database_url
+    import asyncio
+
+    from proxy.store.journal import on_engine
+
+    url = database_url(dialect, tmp_path, request, migrated=True)
+    env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")},
+           "AFFIDAVIT_DATABASE__URL": url}
+
+    async def stamp(engine, revision):
+        from sqlalchemy import text
+
+        async with engine.begin() as conn:
+            await conn.execute(text("UPDATE alembic_version SET version_num = :r"), {"r": revision})
+    commands = (["invocations", "list"], ["metrics"], ["secrets", "list"])
+    for revision, said in ((migrate.head(), None), ("9999", "which a newer affidavit made"),
+                           ("0011", f"older than this version's {migrate.head()}")):
+        asyncio.run(on_engine(url, lambda engine: stamp(engine, revision)))
+        for command in commands:
+            done = subprocess.run([AFFIDAVIT, *command], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+            assert done.returncode == 0, (command, done.stderr)
+            if said is None:
+                assert "schema revision" not in done.stderr, (command, done.stderr)
+            else:
+                assert f"affidavit: note: the journal is at schema revision {revision}, {said}" in done.stderr, (command, done.stderr)
+
+
 def test_an_environment_variable_for_a_section_that_does_not_exist_is_refused(tmp_path):
     env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("AFFIDAVIT_")},
            "AFFIDAVIT_PROXYY__LISTEN": "127.0.0.1:9999", "AFFIDAVIT_API_URL": "http://127.0.0.1:8081"}

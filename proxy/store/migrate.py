@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
@@ -123,25 +124,31 @@ def current(url: str) -> str | None:
     """The revision the database is at, or None for a database without the version table."""
     import asyncio
 
-    from sqlalchemy import text
     from sqlalchemy.ext.asyncio import create_async_engine
-
-    from .queries import schema_missing
 
     async def read() -> str | None:
         engine = create_async_engine(url, connect_args=connect_args(url))
         try:
-            async with engine.connect() as conn:
-                try:
-                    return (await conn.execute(text("SELECT version_num FROM alembic_version"))).scalar()
-                except Exception as exc:
-                    if schema_missing(exc):
-                        return None
-                    raise  # permission denied, say: not "no schema", which an upgrade would act on
+            return await revision(engine)
         finally:
             await engine.dispose()
 
     return asyncio.run(read())
+
+
+async def revision(engine: Any) -> str | None:
+    """:func:`current` on an engine the caller holds."""
+    from sqlalchemy import text
+
+    from .queries import schema_missing
+
+    async with engine.connect() as conn:
+        try:
+            return (await conn.execute(text("SELECT version_num FROM alembic_version"))).scalar()
+        except Exception as exc:
+            if schema_missing(exc):
+                return None
+            raise  # permission denied, say: not "no schema", which an upgrade would act on
 
 
 def head() -> str:
