@@ -258,6 +258,14 @@ class _Exchange:
         self._progress_timer: asyncio.TimerHandle | None = None
         self._publishing = False
         self._ended = False
+        #: The upstream's complete answer is in hand (its record may still be in the making: the
+        #: body's redaction, in a thread for a large one, then the commit).
+        self.answer_in_hand = False
+
+    @property
+    def recording(self) -> bool:
+        """Only the record of a complete answer is outstanding: no timeout may call it missing."""
+        return self.answer_in_hand or self.entry.record.stage in _RECORDING
 
     async def prepare_body(self, response: UpstreamResponse) -> None:
         """Work out :meth:`clean_body` in a thread when it means decoding a sizeable body, so a
@@ -480,6 +488,7 @@ class _Exchange:
 
     async def _record_result(self, response: UpstreamResponse) -> _Settled:
         """Steps (1)-(3) of contract section 6: the outcome, its hash, the stored result."""
+        self.answer_in_hand = True
         await failpoint("after_response_complete")
         stored_headers = [(k, v) for k, v in _passable(response.headers) if k.lower() not in _UNSTORED_HEADERS]
         # A bodiless answer's length (a HEAD's, a 304's) is a fact about the representation; a
@@ -1280,7 +1289,7 @@ class Broker:
         # waits at most the response timeout.
         timeout = route.response_timeout or self.settings.upstream.response_timeout
         await _settled_or_released(loop, task, req.caller_gone, exchange.dispatched, timeout)
-        if not task.done() and not req.caller_gone.is_set() and entry.record.stage in _RECORDING:
+        if not task.done() and not req.caller_gone.is_set() and exchange.recording:
             # The upstream's complete answer is in hand and only its record is on the way: the
             # response timeout is the upstream's, not the journal's. That commit is bounded by the
             # journal's own timeout; then the caller gets the answer (flagged RESULT_STORE_FAILED
@@ -1307,7 +1316,7 @@ class Broker:
         exchange.record_progress()
         entry.append(EventKind.CALLER_CANCELLED, disposition=disposition)
         horizon = horizon - (time.monotonic() - started)
-        self._spawn(self._finish_unanswered(entry, task, max(horizon, 0.1)))
+        self._spawn(self._finish_unanswered(entry, exchange, task, max(horizon, 0.1)))
         if disposition != "timed_out":
             entry.submit_quietly()
             return Reply(499, [], b"", entry.invocation_id)
@@ -1315,8 +1324,8 @@ class Broker:
             await entry.commit()
         except (JournalUnavailable, LeaseLost):  # another broker closed the record: the answer is still this one
             pass
-        provisional = _provisional_end(entry)
-        if entry.record.stage in _RECORDING:
+        provisional = _provisional_end(entry, exchange.recording)
+        if exchange.recording:
             message = ("The upstream's complete response arrived, but the journal did not make it durable in time, "
                        "so the broker cannot hand it over yet; it keeps trying to record it. The effect is unknown "
                        "until then: fetch the result later (GET /v1/invocations/{id}/result); do not re-send.")
@@ -1328,13 +1337,15 @@ class Broker:
             timed_out=True,
         )
 
-    async def _finish_unanswered(self, entry: InvocationLog, task: asyncio.Task[_Settled], horizon: float) -> None:
+    async def _finish_unanswered(
+        self, entry: InvocationLog, exchange: _Exchange, task: asyncio.Task[_Settled], horizon: float
+    ) -> None:
         settled: _Settled | None = None
         try:
             try:
                 settled = await asyncio.wait_for(asyncio.shield(task), horizon)
             except asyncio.TimeoutError:
-                if entry.record.stage in _RECORDING:
+                if exchange.recording:
                     # The complete answer came within the horizon; only its record is slow to commit
                     # (bounded by the journal's timeout). It ends as that commit does, never as unknown.
                     settled = await asyncio.shield(task)
@@ -2096,10 +2107,11 @@ def evidence_from(record: Record | None, identity: Identity, *, timed_out: bool 
     return evidence
 
 
-def _provisional_end(entry: InvocationLog) -> tuple[Outcome, Retry]:
-    """What the record would say if the exchange ended now without a result."""
+def _provisional_end(entry: InvocationLog, recording: bool) -> tuple[Outcome, Retry]:
+    """What the record would say if the exchange ended now without a result (``recording``: the
+    complete answer is in hand, only its record is outstanding)."""
     record = entry.record
-    if record.stage in _RECORDING:
+    if recording:
         # The complete answer is in hand but not yet durable: unknown until it is; then it is fetched.
         return Outcome.UNKNOWN, Retry.FETCH_RESULT
     if record.dispatch_started and not record.ended:

@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import re
 import secrets
 import sqlite3
 import threading
@@ -1058,6 +1059,23 @@ def test_a_read_the_database_answers_with_an_error_is_not_reported_as_an_outage(
     assert "answered 500, nothing sent" in broker.logs()
 
 
+def test_a_complete_answer_still_being_recorded_when_the_response_timeout_ends_is_not_called_missing(make_broker, upstream):
+    """The response timeout ran out after the upstream's complete answer was in hand but before
+    its first event was appended (a large body's redaction runs in a thread there; a failpoint
+    pause stands in for it): the caller got 504 "No complete response arrived within the response
+    timeout", and the lookup built on it "no complete answer came back". The timeout is the
+    upstream's: a complete answer whose record is on its way is waited for, then delivered."""
+    routes = crash_routes(upstream)
+    routes[0].update(response_timeout="1s")
+    broker = make_broker("sqlite", routes=routes, env={"AFFIDAVIT_FAILPOINTS": "after_response_complete=pause:1.5@1"})
+    with broker.client(timeout=15) as client:
+        answer = client.post(CRASH + "/h/status?code=201", content=b"{}")
+    assert answer.status_code == 201 and "affidavit-code" not in answer.headers, answer.text
+    record = broker.wait_for(answer.headers["affidavit-invocation-id"], lambda r: r["stage"] == "delivered")
+    assert record["outcome"] == "committed" and "CALLER_CANCELLED" not in [e["kind"] for e in record["events"]]
+    assert upstream.effects == 1
+
+
 @pytest.mark.parametrize("outage", [0.0, 3.5])
 def test_a_result_that_cannot_be_stored_is_delivered_flagged_and_recorded_later(relayed_pg, make_broker, upstream, outage):
     """``outage`` 3.5 s: the journal stays away longer than [upstream] result_horizon (2 s here);
@@ -1681,3 +1699,44 @@ def test_a_stalled_journal_refuses_within_its_timeout(relayed_pg, make_broker, u
     # machine (7.04 s seen once there); the unbounded waits this guards against took 10-37 s.
     assert max(took for took, _ in answers) < 8.5, [(round(t, 1), r.request.headers.get("idempotency-key", "")[:5]) for t, r in answers]
     assert upstream.effects == 1, "only the first request, before the stall, was sent"
+
+
+def test_a_lookup_whose_answer_cannot_be_recorded_makes_no_finding(relayed_pg, make_broker, upstream):
+    """`reconcile --lookup`: the remote answers the lookup completely, but the journal is gone
+    before the broker can record that answer (RESULT_STORE_FAILED). No finding may rest on an
+    answer the journal does not hold: the operator gets a 409 saying so, the record stays as it
+    was, and the lookup's own record is completed once the journal is back."""
+    from tests.test_human_control import PAY, control_routes
+
+    url, relay = relayed_pg
+    routes = control_routes(upstream)
+    routes[0].update(response_timeout="5s", result_horizon="6s")  # not timed out during the pause
+    broker = make_broker(routes=routes, db_url=url, env={"AFFIDAVIT_FAILPOINTS": "after_response_complete=pause:1.5@1"})
+    key = "pay_" + secrets.token_hex(6)
+    with broker.client() as client:
+        lost = client.post(PAY + "/h/close_after_effect", content=b"{}", headers={"Idempotency-Key": key})
+    invocation_id = check_envelope(lost.content)["invocation_id"]
+    before = broker.wait_for(invocation_id, lambda r: r["stage"] == "ended_unknown")
+    answer: dict[str, httpx.Response] = {}
+
+    def reconcile() -> None:
+        with broker.operator() as api:
+            answer["r"] = api.post(f"/v1/invocations/{invocation_id}/reconcile", json={"lookup": True}, timeout=30)
+
+    thread = threading.Thread(target=reconcile)
+    thread.start()
+    time.sleep(0.7)  # the lookup's answer is complete; the broker pauses before recording it
+    relay.cut()
+    thread.join(20)
+    looked = answer["r"]
+    detail = looked.json()["detail"]
+    assert looked.status_code == 409, looked.text
+    assert "but the broker could not record it (RESULT_STORE_FAILED), so no finding rests on it" in detail, detail
+    assert "The record is unchanged" in detail
+    lookup_id = re.search(r"The lookup \(invocation (act_\w+)\)", detail).group(1)
+    relay.restore()
+    after = broker.wait_for(invocation_id, lambda r: True)
+    assert after["events"] == before["events"] and after["outcome"] == "unknown", after["events"][-1]
+    recorded = broker.wait_for(lookup_id, lambda r: r["stage"] == "delivered", timeout=20)
+    assert recorded["outcome"] == "committed" and recorded["method"] == "GET"
+    assert [r.method for r in upstream.received if r.method] == ["POST", "GET"], "the lookup was sent once, the payment never again"
