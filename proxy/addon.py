@@ -24,7 +24,7 @@ from mitmproxy import http
 from mitmproxy.connection import Client, ConnectionState
 
 from . import metrics
-from .broker import AgentRequest, Broker, Reply, internal_error, should_retry, shown
+from .broker import AgentRequest, Broker, Reply, internal_error, should_retry, shown, unrecordable
 from .contract import CallerDisposition, Code, Outcome, Phase, Retry
 from .envelope import MEDIA_TYPE, encode, envelope
 from .failpoints import failpoint_now
@@ -962,6 +962,10 @@ class BrokerAddon:
                 headers=agent_fields(r),
                 body=r.raw_content or b"",
             )
+            if (why := unrecordable(req)) is not None:
+                log.info("refused a request it cannot record: 400 %s", Code.MALFORMED_REQUEST.value)
+                flow.response = _refusal(400, Code.MALFORMED_REQUEST, why)
+                return
             if (gone := flow.metadata.get(_GONE)) is not None:
                 req.leave(gone)  # the agent left before the broker began: nothing is sent
             self._live[flow.id] = req

@@ -32,7 +32,7 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 from . import decisions, metrics
-from .config import LOOKUP_PLACEHOLDERS, Route, Settings, parse_listen
+from .config import LOOKUP_PLACEHOLDERS, MAX_METHOD_LENGTH, Route, Settings, parse_listen
 from .contract import (
     CallerDisposition,
     Certainty,
@@ -85,6 +85,7 @@ from .upstream import (
     Upstream,
     UpstreamRequest,
     UpstreamResponse,
+    connection_options,
     end_to_end,
     list_tokens,
 )
@@ -1879,6 +1880,31 @@ _SPLITTER = re.compile("[\0-\x08\n-\x1f\x7f]")
 #: ``"``, ...) are let through: common clients send them as they are and servers accept them.
 _NOT_IN_A_TARGET = re.compile("[^!-~]|#")
 
+#: What a record's text cannot hold: PostgreSQL takes no NUL, and bytes that are not UTF-8 reach
+#: Python as lone surrogates, which no encoder takes. (Other control characters are recorded, and
+#: refused as malformed.)
+_UNRECORDABLE = re.compile("[\0\ud800-\udfff]")
+
+
+def unrecordable(req: AgentRequest) -> str | None:
+    """Why the request's method, host or target cannot go into a record, or None. Such a request
+    is refused before anything is recorded: written into a record, it would fail the journal's
+    write, and with it the writes of other requests batched alongside (on PostgreSQL), or the
+    broker's own encoding of the record."""
+    if _UNRECORDABLE.search(req.method):
+        return (f"The request method {shown(req.method)!r} holds a NUL byte or bytes that are not text, so it names "
+                "no method a route could allow. Nothing was sent and nothing was recorded. Send the method's "
+                "own name.")
+    if len(req.method) > MAX_METHOD_LENGTH:
+        return (f"The request method {shown(req.method)!r} is {len(req.method)} characters long; the broker records "
+                f"methods of at most {MAX_METHOD_LENGTH} (every method HTTP defines is shorter), so no route can allow "
+                "it. Nothing was sent and nothing was recorded.")
+    for what, text, fix in (("host", req.host, "Send the host's name"), ("target", req.path, "Percent-encode them")):
+        if _UNRECORDABLE.search(text):
+            return (f"The request {what} {shown(text)!r} holds a NUL byte or bytes that are not text, which may not "
+                    f"appear in a request {what}. Nothing was sent and nothing was recorded. {fix}.")
+    return None
+
 #: The longest idempotency key stored (the column's width); a longer one is refused, never cut.
 MAX_KEY_LENGTH = 255
 
@@ -1913,6 +1939,11 @@ def malformed_request(req: AgentRequest, idempotency_header: str, contract_heade
                 return (f"The request header {shown(name)!r} holds a control character (a line break, a NUL "
                         "byte, ...), which would split the request sent upstream or be read differently there. "
                         "Nothing was sent and no secret was touched. Send each header on one line, as text.")
+    if not req.path.startswith("/"):
+        return (f"The request target {shown(req.path)!r} is not a path beginning with '/' (origin-form, RFC 9112 "
+                "3.2.1; an HTTP/2 ':path' must be one too, RFC 9113 8.3.1, and the asterisk-form of 'OPTIONS *' is "
+                "not relayed), so no route's path can be checked against it. Nothing was sent and no secret was "
+                "touched. Send the path, '/' at least.")
     if found := _NOT_IN_A_TARGET.search(req.path):
         return (f"The request target {shown(req.path)!r} holds {ascii(found.group())}, which may not appear "
                 "unencoded in a request target (only visible ASCII may, and '#' begins a fragment, never sent). "
@@ -1938,6 +1969,13 @@ def malformed_request(req: AgentRequest, idempotency_header: str, contract_heade
         return (f"The request's Transfer-Encoding is {', '.join(transfer)!r}: the broker undoes chunked only, and would "
                 "send the body still coded but described as plain. Nothing was sent and no secret was touched. Send "
                 "the body chunked or with a Content-Length, compressed (if at all) under Content-Encoding.")
+    hop_only = connection_options(req.headers)
+    for header in (idempotency_header, contract_header):
+        if header is not None and header.lower() in hop_only:
+            return (f"The request's Connection header names {header}, the header of its idempotency key, as an option "
+                    "of the agent's hop only, which a proxy removes: taken so, the key would be dropped and the "
+                    "request sent as a new operation each time. Nothing was sent. Send the key without naming it in "
+                    "Connection.")
     keys = req.values_of(idempotency_header) or []
     if len(set(k.strip() for k in keys)) > 1:
         return (f"The request has {len(keys)} different {idempotency_header} headers. Nothing was sent. Send one key: "

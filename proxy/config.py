@@ -157,6 +157,11 @@ def _token(value: str) -> str:
 
 Token = Annotated[str, AfterValidator(_token)]
 
+#: The longest method the journal records (its ``invocations.method`` column); every method HTTP
+#: defines is shorter. Names are held to their columns' widths too: a longer value would make every
+#: journal write that holds it fail on PostgreSQL, and with it the writes batched alongside.
+MAX_METHOD_LENGTH = 16
+
 #: Headers the broker itself reads, sets or drops on the way upstream (hop-by-hop ones, Host,
 #: the agent's proxy credential, the body's length; proxy.upstream.HOP_BY_HOP): none can carry
 #: an idempotency key or a credential.
@@ -319,12 +324,12 @@ class RecoverySection(_Section):
 
 
 class Agent(_Section):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=100)
     token: SecretSource
 
 
 class Secret(_Section):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=100)
     from_: SecretSource = Field(alias="from")
 
 
@@ -368,7 +373,7 @@ class Idempotency(_Section):
     """A declared remote contract: the service binds this header's key to one operation."""
 
     header: FreeHeader = "Idempotency-Key"
-    scope: str
+    scope: str = Field(max_length=200)
     retention: Duration
 
 
@@ -402,7 +407,7 @@ class Lookup(_Section):
 
 
 class Route(_Section):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]+$")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]+$", max_length=200)
     host: str
     port: Number = Field(default=443, ge=1, le=65535)
     scheme: Literal["http", "https"] | None = None
@@ -439,6 +444,10 @@ class Route(_Section):
         if "*" in methods:
             raise ValueError("'*' is not a wildcard here (it would allow only a method named '*'): list the methods, "
                              'e.g. ["GET", "POST"]')
+        for method in methods:
+            if len(method) > MAX_METHOD_LENGTH:
+                raise ValueError(f"{method!r} is {len(method)} characters long; the journal records methods of at most "
+                                 f"{MAX_METHOD_LENGTH}")
         return [_token(m).upper() for m in methods]
 
     @field_validator("host")

@@ -250,6 +250,23 @@ def test_a_request_deadline_that_is_not_a_positive_duration_is_refused(tmp_path,
     assert f"proxy.{key}" in str(caught.value) and reason in str(caught.value), caught.value
 
 
+@pytest.mark.parametrize(("old", "new", "where", "said"), [
+    ('methods = ["post"]', 'methods = ["post", "' + "X" * 17 + '"]', "routes[0].methods", "at most 16"),
+    ('name = "builder"', 'name = "' + "b" * 101 + '"', "agents[0].name", "at most 100 characters"),
+    ('name = "payments-key"', 'name = "' + "k" * 101 + '"', "secrets[0].name", "at most 100 characters"),
+    ('name = "payments.create"', 'name = "' + "r" * 201 + '"', "routes[0].name", "at most 200 characters"),
+    ('scope = "payments.create"', 'scope = "' + "s" * 201 + '"', "routes[0].idempotency.scope", "at most 200 characters"),
+])
+def test_a_name_or_method_longer_than_the_journal_records_is_refused(tmp_path, old, new, where, said):
+    """Each is written into records, in a column of that width: on PostgreSQL a longer one failed
+    every journal write that held it, and the writes batched alongside."""
+    text = good(tmp_path)
+    assert old in text
+    with pytest.raises(ConfigError) as caught:
+        load_settings(write(tmp_path, text.replace(old, new, 1)))
+    assert where in str(caught.value) and said in str(caught.value), caught.value
+
+
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0

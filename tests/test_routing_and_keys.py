@@ -640,6 +640,42 @@ def test_a_key_in_the_routes_contract_header_is_checked_as_the_agents_key(header
     assert malformed_request(req, "Idempotency-Key") is None, "without the route's contract, X-Idem is just a header"
 
 
+@pytest.mark.parametrize("connection,refused", [
+    ("close", False), ("keep-alive, X-Trace", False), ("Idempotency-Key", True), ("close, idempotency-key", True),
+    ("X-Idem", True),
+])
+def test_a_connection_header_naming_the_key_header_is_malformed(connection, refused):
+    """A field the Connection header names is an option of the agent's hop, dropped before the key
+    was read: the agent's key vanished and each repeat went upstream as a new operation (with a
+    key the broker made up, on a route with a contract)."""
+    from proxy.broker import AgentRequest, malformed_request
+
+    headers = [("Connection", connection), ("Idempotency-Key", "k1")]
+    req = AgentRequest(agent="a", scheme="https", host="api.test", port=443, method="POST", path="/x", headers=headers, body=b"")
+    why = malformed_request(req, "Idempotency-Key", "X-Idem")
+    assert (why is not None and "names " in why and "Connection" in why) if refused else why is None, why
+
+
+@pytest.mark.parametrize("method,path,host,said", [
+    ("A" * 16, "/x", "api.test", None),
+    ("A" * 17, "/x", "api.test", "17 characters long"),
+    ("G\x00T", "/x", "api.test", "method"),
+    ("G\udcffT", "/x", "api.test", "method"),
+    ("GET", "/x\x00", "api.test", "target"),
+    ("GET", "/\udcff", "api.test", "target"),
+    ("GET", "/x\x7f", "api.test", None),  # recorded, then refused as malformed
+    ("GET", "/caf\u00e9", "api.test", None),  # text: recorded, then refused as malformed
+    ("GET", "/x", "api\x00.test", "host"),
+])
+def test_what_no_record_can_hold_is_named(method, path, host, said):
+    from proxy.broker import AgentRequest, unrecordable
+
+    why = unrecordable(AgentRequest(agent="a", scheme="https", host=host, port=443, method=method, path=path, headers=[], body=b""))
+    assert (why is None) if said is None else (why is not None and said in why and "nothing was recorded" in why), why
+    if why is not None:
+        why.encode("utf-8")  # the message itself can be sent and logged
+
+
 @pytest.mark.parametrize("method,refused", [
     ("GET", False), ("PATCH", False), ("M-SEARCH", False), ("X_CUSTOM.v1", False),
     ("PO\u017fT", True), ("GE\u00df", True), ("GE T", True), ("", True), ("GET\x00", True), ("PO(ST)", True),

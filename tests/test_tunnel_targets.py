@@ -448,16 +448,18 @@ def test_a_kelvin_sign_host_header_in_origin_form_reaches_the_upstream_as_the_ro
 
 
 @pytest.mark.parametrize("method,path,status,code,sent", [
-    ("GET", "h/ok", 403, "INVALID_TARGET", None),
-    ("OPTIONS", "*", 403, "INVALID_TARGET", None),
-    ("GET", "", 200, None, "/"),
-    ("GET", "http://evil.test/h/ok", 403, "INVALID_TARGET", None),
+    ("GET", "h/ok", 400, "MALFORMED_REQUEST", None),
+    ("OPTIONS", "*", 400, "MALFORMED_REQUEST", None),
+    ("GET", "", 400, "MALFORMED_REQUEST", None),
+    ("GET", "?a=1", 400, "MALFORMED_REQUEST", None),
+    ("GET", "http://evil.test/h/ok", 400, "MALFORMED_REQUEST", None),
     ("GET", "//evil.test/h/ok", 200, None, "//evil.test/h/ok"),
-], ids=["no-slash", "asterisk", "empty", "absolute", "double-slash"])
+], ids=["no-slash", "asterisk", "empty", "query-only", "absolute", "double-slash"])
 def test_http2_odd_paths_never_reach_another_path_than_recorded(broker: BrokerProcess, upstream: HostileUpstream, method, path,
                                                                  status, code, sent):
-    """A :path the routes cannot match is refused (recorded, not sent); one that is sent is sent
-    exactly as recorded (an empty one as "/")."""
+    """A :path that is not origin-form (RFC 9113 8.3.1) is malformed: refused (recorded, not
+    sent). An empty one went upstream as "/" and "?a=1" as it was, with the route's credential,
+    matched as if it were "/". One that is sent is sent exactly as recorded."""
     upstream.reset()
     agent = h2_tunnel(broker, "api.payments.test")
     try:
@@ -474,9 +476,9 @@ def test_http2_odd_paths_never_reach_another_path_than_recorded(broker: BrokerPr
     else:
         assert check_envelope(body)["error"]["code"] == code, body[:300]
         assert upstream.received == []
-        # recorded as the agent spelled it, refused and not attempted
+        # recorded as the agent spelled it (an empty path as "/"), refused and not attempted
         assert (record["target"], record["code"], record["outcome"]) == (
-            "https://api.payments.test:443" + path, code, "not_attempted"), record
+            "https://api.payments.test:443" + (path or "/"), code, "not_attempted"), record
 
 
 @pytest.mark.parametrize("fields,status", [
@@ -684,3 +686,51 @@ def test_http2_body_end_and_rst_stream_in_one_write_after_the_headers_sends_noth
     [item] = [i for i in latest(broker, route="slowpost") if i["target"].endswith("rst=split")]
     rec = broker.invocation(item["invocation_id"], broker.operator_token)
     _cancelled(rec, [r for r in upstream.received if r.path.endswith("rst=split")])
+
+
+# -- what no record can hold ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_a_method_or_target_no_record_can_hold_is_refused_unrecorded_and_spoils_no_other_write(make_broker, upstream, dialect):
+    """On PostgreSQL a 17-character method (the column holds 16) or a NUL in a method or target
+    failed the journal's write of its refusal, and with it the writes of other requests batched
+    alongside: those got 503 JOURNAL_UNAVAILABLE, or their answers RESULT_STORE_FAILED. Bytes that
+    are not UTF-8 failed the broker's own encoding of the record: a 500 "unknown, reconcile" for a
+    request never sent. Each is now refused before anything is recorded, and the others go on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    broker = make_broker(dialect, routes=probe_routes(upstream))
+    bad_lines = [b"A" * 17 + b" http://plain.example.test/h/ok HTTP/1.1\r\n", b"G\x00T http://plain.example.test/h/ok HTTP/1.1\r\n",
+                 b"G\xffT http://plain.example.test/h/ok HTTP/1.1\r\n"]
+    bad_streams = [("GET", b"/h/ok\x00b"), ("GET", b"/h/\xff"), (b"G\xffT", "/h/ok")]
+
+    def normal(_: int) -> tuple[int, str | None]:
+        with broker.client() as client:
+            answer = client.get("http://plain.example.test/h/ok")
+        return answer.status_code, answer.headers.get("affidavit-code")
+
+    def refused(status: int, body: bytes) -> None:
+        assert status == 400, (status, body[:300])
+        envelope = check_envelope(body)
+        assert (envelope["invocation_id"], envelope["error"]["code"], envelope["error"]["outcome"]) == (
+            None, "MALFORMED_REQUEST", "not_attempted"), envelope
+        assert "nothing was recorded" in envelope["error"]["message"], envelope
+
+    upstream.reset()
+    with ThreadPoolExecutor(8) as pool:
+        for line, (method, path) in zip(bad_lines, bad_streams):
+            others = [pool.submit(normal, n) for n in range(8)]
+            status, _, body = plain_proxy(broker, line + b"Host: plain.example.test\r\n")
+            refused(status, body)
+            agent = h2_tunnel(broker, "api.payments.test")
+            try:
+                got, _, body = agent.response(agent.send([(":method", method), (":scheme", "https"),
+                                                          (":authority", "api.payments.test"), (":path", path)]))
+            finally:
+                agent.sock.close()
+            refused(got, body)
+            assert [f.result(timeout=30) for f in others] == [(200, None)] * 8
+    assert len(upstream.received) == 24 and {r.path for r in upstream.received} == {"/h/ok"}
+    assert len(latest(broker, limit=100)) == 24, "the refused requests left no record"
+    assert "Traceback" not in broker.logs() and "journal write failed" not in broker.logs()
