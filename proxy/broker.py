@@ -1475,9 +1475,10 @@ class Broker:
                                 "closes it; it keeps trying while it runs, and recovery closes it at the next start",
                                 invocation_id)
             try:
+                await self.journal.settle()  # a refused write still on its way cannot land after this read
                 row = await queries.invocation(self.journal.engine, invocation_id)
                 if row is None:
-                    return  # nothing of it was ever durable
+                    return  # nothing of it was ever durable, nor can be now
                 _, events = await queries.events_of(self.journal.engine, invocation_id, self.journal.decode_payload)
                 record = project(events)
                 if record.ended:

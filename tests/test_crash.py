@@ -1740,3 +1740,32 @@ def test_a_lookup_whose_answer_cannot_be_recorded_makes_no_finding(relayed_pg, m
     recorded = broker.wait_for(lookup_id, lambda r: r["stage"] == "delivered", timeout=20)
     assert recorded["outcome"] == "committed" and recorded["method"] == "GET"
     assert [r.method for r in upstream.received if r.method] == ["POST", "GET"], "the lookup was sent once, the payment never again"
+
+
+def test_a_write_held_up_in_the_network_cannot_land_after_it_was_found_missing(relayed_pg, make_broker, upstream):
+    """A request's first write (no key: its dispatch write) is held up in the network past the
+    journal's timeout: the agent is told nothing was sent, and the broker looks, once the journal
+    answers, whether the write landed after all. It found nothing, took that for proof, and
+    stopped looking; the write then landed, and its record said "dispatched, caller waiting" for
+    as long as the broker ran (recovery takes only a stopped broker's records), with nothing in
+    the log. Now the database session the write was sent on is ended before that look, so the
+    look is final: the write cannot land after it."""
+    url, relay = relayed_pg
+    broker = _start_on(make_broker, upstream, url)
+    with broker.client(timeout=20) as client:
+        warm = client.post(CRASH + "/h/ok", content=b"{}")  # the writer's connection is open
+        assert warm.status_code == 200
+        broker.wait_for(warm.headers["affidavit-invocation-id"], lambda r: r["stage"] == "delivered")
+        relay.hold_after(b'"DISPATCH_STARTED"', 9.0)
+        refused = client.post(CRASH + "/h/ok", content=b"{}")
+    body = check_envelope(refused.content)
+    assert (refused.status_code, body["error"]["code"], body["error"]["outcome"]) == (503, "JOURNAL_UNAVAILABLE", "not_attempted"), body
+    invocation_id = re.search(r"then invocation (act_\w+) is closed", body["error"]["message"]).group(1)
+    deadline = time.monotonic() + 9.0 + 4.0  # the held write reaches the database, or its ended session
+    while time.monotonic() < deadline:
+        assert query(url, f"SELECT stage FROM invocations WHERE invocation_id = '{invocation_id}'") == [], \
+            "the held write landed after the broker had found it missing"
+        time.sleep(0.5)
+    assert upstream.effects == 1, "nothing was sent for the refused request"
+    with broker.client(timeout=20) as client:
+        assert client.post(CRASH + "/h/ok", content=b"{}").status_code == 200, "the journal works on"

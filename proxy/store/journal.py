@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 import orjson
-from sqlalchemy import event, select
+from sqlalchemy import event, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -250,6 +250,11 @@ class Journal:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._conn: AsyncConnection | None = None
+        #: PostgreSQL: the server session of the writer's connection (pid, backend_start), and
+        #: those of connections dropped with a write on them the database did not confirm: until
+        #: :meth:`settle` ends them, such a write can still land (held up in the network).
+        self._session: tuple[int, Any] | None = None
+        self._unsettled: list[tuple[int, Any]] = []
         # SQLite: batches go to a writer process of their own (proxy.store.sqlite_writer); the
         # rare isolated retry after a collision runs in one worker thread with its own sqlite3
         # connection (opened there when first needed).
@@ -488,10 +493,47 @@ class Journal:
     async def _connection(self) -> AsyncConnection:
         if self._conn is None or self._conn.closed or self._conn.invalidated:
             self._conn = await asyncio.wait_for(self.engine.connect(), self.timeout)
+            if self.engine.dialect.name == "postgresql":
+                async with asyncio.timeout(self.timeout):
+                    driver = (await self._conn.get_raw_connection()).driver_connection
+                    started = await driver.fetchval(_SESSION_STARTED)  # autocommit: no transaction left open
+                self._session = (driver.get_server_pid(), started)
         return self._conn
+
+    async def settle(self) -> None:
+        """Make sure no write the database did not confirm can land any more. On PostgreSQL such
+        a write may still be on its way (held up in the network) when the broker reads that it is
+        not there, and commit afterwards, unseen: the server sessions of the connections it was
+        sent on are ended here (a write that had landed stays; one still on its way finds its
+        session gone). Call before reading whether such a write landed. Raises what the
+        database raises, or :class:`JournalUnavailable` if a session outlives its ending."""
+        while self._unsettled:
+            pid, started = self._unsettled[0]
+            async with self.engine.connect() as conn:
+                try:
+                    await conn.execute(text(_END_SESSION), {"pid": pid, "started": started})
+                except Exception as exc:
+                    from .queries import causes  # imported here: queries imports this module
+
+                    if not any(getattr(error, "sqlstate", None) == "42501" for error in causes(exc)):
+                        raise
+                    # Not allowed (a role that may not end its own sessions): read as before.
+                    log.warning("journal: could not end the database session of a write it did not confirm (%s); a "
+                                "record found missing now may still appear, and stay in flight until recovery closes "
+                                "it", brief(exc))
+                else:
+                    for _ in range(100):  # ending a session is asynchronous: wait (bounded) until it is gone
+                        alive = (await conn.execute(text(_SESSION_ALIVE), {"pid": pid, "started": started})).first()
+                        if alive is None:
+                            break
+                        await asyncio.sleep(0.05)
+                    else:
+                        raise JournalUnavailable(f"the database session {pid} of an unconfirmed write did not end")
+            self._unsettled.pop(0)
 
     async def _drop_connection(self) -> None:
         self._driver = None
+        self._session = None
         conn, self._conn = self._conn, None
         if conn is not None:
             try:
@@ -563,6 +605,8 @@ class Journal:
                 self._failure_logged_at, self._failures_unlogged = now, 0
             else:
                 self._failures_unlogged += 1
+            if not error.unwritten and self._session is not None:
+                self._unsettled.append(self._session)  # until settle(), it may still land
             await self._drop_connection()
             return
         if not self.healthy:
@@ -819,6 +863,13 @@ def _keyed(update_row: dict[str, Any]) -> dict[str, Any]:
     row["invocation_id"] = row.pop("b_invocation_id")
     return row
 
+
+#: PostgreSQL: when this connection's server session began (with its pid, it names the session:
+#: pids are reused). Ending one (:meth:`Journal.settle`) happens only where both still match.
+_SESSION_STARTED = "SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+_END_SESSION = ("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE pid = :pid AND backend_start = :started")
+_SESSION_ALIVE = "SELECT 1 FROM pg_stat_activity WHERE pid = :pid AND backend_start = :started"
 
 #: Results larger than this (in total per batch) go through plain statements, not inline JSON.
 _INLINE_LIMIT = 256 * 1024

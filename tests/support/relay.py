@@ -67,6 +67,10 @@ class TcpRelay:
     * ``deafen_after(marker)``: forward until a client sends ``marker`` (within one read), then
       deaf from that message on: it reaches the server, its answer is held. One chosen write lands
       unacknowledged while the reads before it were answered.
+    * ``hold_after(marker, seconds)``: forward, but hold the client's message that holds
+      ``marker`` (once) for ``seconds`` before passing it on: a write held up in the network,
+      which reaches the server after its sender gave up on it (and what the connection sends
+      after it waits behind it).
     * ``blackhole()``: nothing moves in either direction; live connections stall
       with their data held, new connections are accepted but never answered.
       ``restore()`` lets held data and held connections continue, like a
@@ -101,6 +105,7 @@ class TcpRelay:
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._deaf_after: bytes | None = None
+        self._hold: tuple[bytes, float] | None = None
 
     # -- public surface ---------------------------------------------------------------
 
@@ -162,6 +167,10 @@ class TcpRelay:
         """Forward until a client sends ``marker``; then deaf, from that message on."""
         self._call(self._arm(marker))
 
+    def hold_after(self, marker: bytes, seconds: float) -> None:
+        """Hold the next client message holding ``marker`` for ``seconds``, then pass it on."""
+        self._call(self._arm_hold(marker, seconds))
+
     def restore(self) -> None:
         """Forward normally again (held connections resume)."""
         self._call(self._set_mode("forward"))
@@ -205,6 +214,10 @@ class TcpRelay:
         self._server = await asyncio.start_server(self._handle, self.listen_host, 0)
         self._listen_port = int(self._server.sockets[0].getsockname()[1])
 
+    async def _arm_hold(self, marker: bytes, seconds: float) -> None:
+        await self._set_mode("forward")
+        self._hold = (marker, seconds)
+
     async def _arm(self, marker: bytes) -> None:
         await self._set_mode("forward")
         self._deaf_after = marker
@@ -212,7 +225,7 @@ class TcpRelay:
     async def _set_mode(self, mode: Mode) -> None:
         assert self._flowing is not None and self._answering is not None
         self._mode = mode
-        self._deaf_after = None
+        self._deaf_after = self._hold = None
         if mode in ("forward", "deaf"):
             self._flowing.set()
             if mode == "forward":
@@ -285,6 +298,11 @@ class TcpRelay:
                     return
                 if not answers and self._deaf_after is not None and self._deaf_after in data:
                     await self._set_mode("deaf")  # before it reaches the server: its answer is held
+                if not answers and self._hold is not None and self._hold[0] in data:
+                    seconds, self._hold = self._hold[1], None
+                    await asyncio.sleep(seconds)
+                    if dst.transport.is_closing():
+                        return  # the server's end went meanwhile: the message never arrives
                 dst.write(data)
                 await dst.drain()
                 self.bytes_forwarded += len(data)
