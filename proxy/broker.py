@@ -933,7 +933,18 @@ class Broker:
             leased = row["lease_expires_at"] is not None and _aware(row["lease_expires_at"]) > now
             if record.result_stored and action in (NextAction.FETCH_RESULT, NextAction.RETURN_RECORDED_RESULT, NextAction.WAIT):
                 return await self._replay(row, record)
-            if not record.ended or leased:
+            if record.ended and leased:
+                # Between attempts: a broker took it for one more, and has not written that
+                # attempt's first event yet (or stopped before it could: nothing says which).
+                until = _aware(row["lease_expires_at"]).strftime("%H:%M:%S UTC")
+                return self._repeat_envelope(
+                    row, record, Code.IDEMPOTENCY_IN_PROGRESS,
+                    f"Invocation {row['invocation_id']} with this key ended {record.outcome.value}, and a broker "
+                    f"process ({row['owner']}) holds a lease on it until {until} for one more attempt. Nothing was "
+                    "sent for this request. If that process stopped before sending, the lease runs out then and a "
+                    "repeat with this key may take the attempt over: ask again after it, or GET /v1/invocations/{id}.",
+                )
+            if not record.ended:
                 return self._repeat_envelope(
                     row, record, Code.IDEMPOTENCY_IN_PROGRESS,
                     f"Invocation {row['invocation_id']} with this key is still in progress. Nothing was sent. "
@@ -997,9 +1008,10 @@ class Broker:
         if holder_alive or not await self._read(
                 leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until)):
             if record.stage is Stage.APPROVED:
-                message = (f"Invocation {row['invocation_id']} is approved, and a running broker process that holds it "
-                           "is about to send it. Nothing was sent for this request. Ask again later, or GET "
-                           "/v1/invocations/{id}.")
+                message = (f"Invocation {row['invocation_id']} is approved, and the broker process that holds it "
+                           f"({holder}, alive by its heartbeat) is about to send it; had it stopped, a repeat takes "
+                           f"the approval over once its heartbeat is {self.settings.recovery.stale_after:g} s old. "
+                           "Nothing was sent for this request. Ask again later, or GET /v1/invocations/{id}.")
             else:
                 message = (f"Invocation {row['invocation_id']} is waiting for an operator's approval. Nothing was "
                            "sent. Ask again later.")

@@ -1769,3 +1769,37 @@ def test_a_write_held_up_in_the_network_cannot_land_after_it_was_found_missing(r
     assert upstream.effects == 1, "nothing was sent for the refused request"
     with broker.client(timeout=20) as client:
         assert client.post(CRASH + "/h/ok", content=b"{}").status_code == 200, "the journal works on"
+
+
+def test_a_repeat_while_a_stopped_brokers_lease_runs_is_told_so_and_takes_the_attempt_after_it(make_broker, upstream):
+    """A broker took the lease for a same-key re-send of an unknown outcome and died before that
+    attempt's first event: no event shows the lease, and a repeat meanwhile was told the
+    invocation "is still in progress" while the record said to retry with the same key. The
+    409 now says the invocation ended, who holds the lease, until when, and what then."""
+    broker = make_broker("postgresql", routes=crash_routes(upstream), proxy={"retry_lease": "3s"},
+                         env={"AFFIDAVIT_FAILPOINTS": "mid_response_headers=kill@1"})
+    key = "lease_" + secrets.token_hex(6)
+    url = SAFE + "/h/idem_honour?code=201"
+    with pytest.raises(httpx.HTTPError):
+        post(broker, url, key)
+    restart_without_failpoints(broker)
+    invocation_id = record_by_key(broker, key)
+    broker.wait_for(invocation_id, lambda r: r["stage"] == "ended_unknown")
+    broker.kill()
+    broker.env["AFFIDAVIT_FAILPOINTS"] = "after_lease=kill@1"
+    broker.start()
+    with pytest.raises(httpx.HTTPError):
+        post(broker, url, key)  # the lease is taken; the broker dies before the attempt's first event
+    [(owner,)] = query(broker.database_url, f"SELECT owner FROM invocations WHERE invocation_id = '{invocation_id}'")
+    restart_without_failpoints(broker)
+    told = post(broker, url, key)
+    error = check_envelope(told.content)["error"]
+    assert (told.status_code, error["code"]) == (409, "IDEMPOTENCY_IN_PROGRESS"), told.text
+    assert f"ended unknown, and a broker process ({owner}) holds a lease on it until " in error["message"], error
+    assert "the lease runs out then and a repeat with this key may take the attempt over" in error["message"], error
+    deadline = time.monotonic() + 15
+    while (repeat := post(broker, url, key)).status_code == 409:
+        assert time.monotonic() < deadline, repeat.text
+        time.sleep(0.5)
+    assert repeat.status_code == 201 and repeat.headers["affidavit-outcome"] == "committed", repeat.text
+    assert [r.header("Idempotency-Key") for r in upstream.received if r.method] == [key, key], "sent twice in all, never more"
