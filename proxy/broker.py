@@ -1618,6 +1618,13 @@ class Broker:
             entry.append(EventKind.FAILED, phase=Phase.RESULT_DELIVERY, code=Code.CALLER_CANCELLED)
         try:
             await entry.commit()
+        except LeaseLost:
+            # The result's write had landed unconfirmed, and another broker, taking this one for
+            # stopped, closed the record after it: its events hold the sequence numbers these need.
+            log.warning("recorded the result of %s after the journal recovered, but not what became of its delivery "
+                        "(%s): another broker closed the record meanwhile, taking this one for stopped, and the record "
+                        "says what that broker knew (the result is stored: the caller may fetch it)",
+                        entry.invocation_id, "handed to the caller" if left is None else f"the caller {left.value}")
         except Exception as exc:
             log.warning("recorded the result of %s after the journal recovered, but not what became of its delivery: %s",
                         entry.invocation_id, exc)

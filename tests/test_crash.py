@@ -1803,3 +1803,27 @@ def test_a_repeat_while_a_stopped_brokers_lease_runs_is_told_so_and_takes_the_at
         time.sleep(0.5)
     assert repeat.status_code == 201 and repeat.headers["affidavit-outcome"] == "committed", repeat.text
     assert [r.header("Idempotency-Key") for r in upstream.received if r.method] == [key, key], "sent twice in all, never more"
+
+
+def test_a_result_that_landed_unconfirmed_while_another_broker_closed_the_record_is_logged_as_such(make_broker, upstream, pg_admin_url):
+    """b's result commit lands but is never acknowledged, and the database goes deaf to b: b hands
+    the answer over flagged RESULT_STORE_FAILED, a takes b for stopped and closes the record after
+    the stored result. When b can write again, the delivery it saw no longer fits the record: the
+    log said only "conflicting write: duplicate key value violates unique constraint". It now says
+    another broker closed the record, and what became of the answer here."""
+    with _b_behind_a_relay(make_broker, upstream, pg_admin_url) as (a, b, relay):
+        relay.deafen_after(b'"RESULT_COMMITTED"')
+        answer = post(b, SAFE + "/h/slow?delay=0.5&n=landed", f"landed-{time.monotonic_ns()}", timeout=30)
+        assert answer.status_code == 200 and answer.headers["affidavit-code"] == "RESULT_STORE_FAILED", answer.text
+        invocation_id = answer.headers["affidavit-invocation-id"]
+        closed = a.wait_for(invocation_id, lambda r: r["stage"] == "delivery_failed", timeout=20)
+        assert (closed["outcome"], closed["retry"]) == ("committed", "fetch_result"), closed
+        relay.restore()
+        deadline = time.monotonic() + 30
+        while "but not what became of its delivery" not in b.logs():
+            assert time.monotonic() < deadline, b.logs()[-3000:]
+            time.sleep(0.2)
+        assert (f"recorded the result of {invocation_id} after the journal recovered, but not what became of its "
+                "delivery (handed to the caller): another broker closed the record meanwhile") in b.logs(), b.logs()[-3000:]
+        assert "duplicate key" not in b.logs() and "Traceback" not in b.logs()
+        assert len([r for r in upstream.received if r.method]) == 1, "never re-sent"
