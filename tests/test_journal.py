@@ -1008,3 +1008,48 @@ def test_a_failed_write_behind_is_resent_until_it_lands_but_not_after_the_broker
         assert (started, kinds) == (0, ["ACTION_ACCEPTED"])
     else:
         assert (started, kinds) == (1, ["ACTION_ACCEPTED", "PREFLIGHT_VALIDATED"])
+
+
+def test_settling_ends_each_unconfirmed_writes_session_once_and_no_one_elses(request, tmp_path):
+    """``Journal.settle`` ends the server sessions that writes the database did not confirm were
+    sent on, before the broker reads whether they landed. Promptly: inside one transaction the
+    activity view shows an ended session alive, and the wait for it ran to its bound. Each once,
+    when two callers settle at once (the second struck off a session nobody had ended). And never
+    a session not tagged as the writer's: a pooler may have handed that pid to another client."""
+    url = database_url("postgresql", tmp_path, request, migrated=True)
+    dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+    async def session_of(conn: asyncpg.Connection, tag: str) -> tuple[int, datetime, str]:
+        started = await conn.fetchval("SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()")
+        return conn.get_server_pid(), started, tag
+
+    async def scenario() -> float:
+        engine = make_engine(url)
+        journal = Journal(engine, writer="w1")
+        await journal.start()
+        await _full_history(journal)  # the writer's connection is open, and named
+        assert journal._session is not None and journal._session[2].startswith("affidavit-journal-"), journal._session
+        victims = [await asyncpg.connect(dsn) for _ in range(2)]
+        bystander = await asyncpg.connect(dsn)
+        try:
+            sessions = []
+            for n, victim in enumerate(victims):
+                await victim.execute(f"SET application_name = 'affidavit-journal-victim{n}'")
+                sessions.append(await session_of(victim, f"affidavit-journal-victim{n}"))
+            journal._unsettled[:] = [*sessions, await session_of(bystander, "affidavit-journal-handed-on")]
+            began = time.monotonic()
+            await asyncio.gather(journal.settle(), journal.settle())
+            took = time.monotonic() - began
+            assert journal._unsettled == []
+            for victim in victims:
+                with pytest.raises((asyncpg.PostgresError, asyncpg.InterfaceError, ConnectionError)):
+                    await victim.fetchval("SELECT 1")
+            assert await bystander.fetchval("SELECT 1") == 1, "a session without the tag was left alone"
+        finally:
+            for conn in (*victims, bystander):
+                conn.terminate()
+            await journal.close()
+            await engine.dispose()
+        return took
+
+    assert asyncio.run(scenario()) < 2.0

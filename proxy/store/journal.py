@@ -18,6 +18,7 @@ import binascii
 import hashlib
 import json
 import logging
+import os
 import sqlite3
 import time
 from collections import deque
@@ -250,11 +251,14 @@ class Journal:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._conn: AsyncConnection | None = None
-        #: PostgreSQL: the server session of the writer's connection (pid, backend_start), and
-        #: those of connections dropped with a write on them the database did not confirm: until
-        #: :meth:`settle` ends them, such a write can still land (held up in the network).
-        self._session: tuple[int, Any] | None = None
-        self._unsettled: list[tuple[int, Any]] = []
+        #: PostgreSQL: the server session of the writer's connection (pid, backend_start and the
+        #: application_name it was tagged with), and those of connections dropped with a write on
+        #: them the database did not confirm: until :meth:`settle` ends them, such a write can
+        #: still land (held up in the network).
+        self._session: tuple[int, Any, str] | None = None
+        self._unsettled: list[tuple[int, Any, str]] = []
+        self._settling = asyncio.Lock()
+        self._session_unknown_logged = False
         # SQLite: batches go to a writer process of their own (proxy.store.sqlite_writer); the
         # rare isolated retry after a collision runs in one worker thread with its own sqlite3
         # connection (opened there when first needed).
@@ -494,11 +498,30 @@ class Journal:
         if self._conn is None or self._conn.closed or self._conn.invalidated:
             self._conn = await asyncio.wait_for(self.engine.connect(), self.timeout)
             if self.engine.dialect.name == "postgresql":
-                async with asyncio.timeout(self.timeout):
-                    driver = (await self._conn.get_raw_connection()).driver_connection
-                    started = await driver.fetchval(_SESSION_STARTED)  # autocommit: no transaction left open
-                self._session = (driver.get_server_pid(), started)
+                await self._name_session(self._conn)
         return self._conn
+
+    async def _name_session(self, conn: AsyncConnection) -> None:
+        """Learn (and tag) the writer connection's server session, for :meth:`settle`. The tag
+        makes sure a session that a pooler has handed to someone else is never the one ended."""
+        tag = f"affidavit-journal-{os.urandom(6).hex()}"
+        try:
+            async with asyncio.timeout(self.timeout):
+                driver = (await conn.get_raw_connection()).driver_connection
+                row = await driver.fetchrow(_SESSION_NAMED, tag)  # autocommit: no transaction left open
+        except (asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            row, why = None, brief(exc)
+        else:
+            why = "the server does not show its own session"
+        if row is None or row["backend_start"] is None:
+            self._session = None
+            if not self._session_unknown_logged:
+                self._session_unknown_logged = True
+                log.warning("journal: could not learn the database session of the writer's connection (%s); a write "
+                            "the database does not confirm is then looked for without first ending the session it "
+                            "was sent on, so one held up in the network could still land after the look", why)
+            return
+        self._session = (row["pid"], row["backend_start"], tag)
 
     async def settle(self) -> None:
         """Make sure no write the database did not confirm can land any more. On PostgreSQL such
@@ -507,29 +530,35 @@ class Journal:
         sent on are ended here (a write that had landed stays; one still on its way finds its
         session gone). Call before reading whether such a write landed. Raises what the
         database raises, or :class:`JournalUnavailable` if a session outlives its ending."""
-        while self._unsettled:
-            pid, started = self._unsettled[0]
-            async with self.engine.connect() as conn:
-                try:
-                    await conn.execute(text(_END_SESSION), {"pid": pid, "started": started})
-                except Exception as exc:
-                    from .queries import causes  # imported here: queries imports this module
+        async with self._settling:  # one at a time: each session is ended, and struck off, once
+            while self._unsettled:
+                session = self._unsettled[0]
+                await self._end_session(*session)
+                self._unsettled.remove(session)
 
-                    if not any(getattr(error, "sqlstate", None) == "42501" for error in causes(exc)):
-                        raise
-                    # Not allowed (a role that may not end its own sessions): read as before.
-                    log.warning("journal: could not end the database session of a write it did not confirm (%s); a "
-                                "record found missing now may still appear, and stay in flight until recovery closes "
-                                "it", brief(exc))
-                else:
-                    for _ in range(100):  # ending a session is asynchronous: wait (bounded) until it is gone
-                        alive = (await conn.execute(text(_SESSION_ALIVE), {"pid": pid, "started": started})).first()
-                        if alive is None:
-                            break
-                        await asyncio.sleep(0.05)
-                    else:
-                        raise JournalUnavailable(f"the database session {pid} of an unconfirmed write did not end")
-            self._unsettled.pop(0)
+    async def _end_session(self, pid: int, started: Any, tag: str) -> None:
+        named = {"pid": pid, "started": started, "tag": tag}
+        async with self.engine.connect() as conn:
+            # Each look in its own transaction: within one, PostgreSQL shows the activity view as
+            # it was at the first look, and the ended session would seem to live on.
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            try:
+                await conn.execute(text(_END_SESSION), named)
+            except Exception as exc:
+                from .queries import causes  # imported here: queries imports this module
+
+                if not any(getattr(error, "sqlstate", None) == "42501" for error in causes(exc)):
+                    raise
+                # Not allowed (a role that may not end its own sessions): read as before.
+                log.warning("journal: could not end the database session of a write it did not confirm (%s); a "
+                            "record found missing now may still appear, and stay in flight until recovery closes "
+                            "it", brief(exc))
+                return
+            for _ in range(100):  # ending a session is asynchronous: wait (bounded) until it is gone
+                if (await conn.execute(text(_SESSION_ALIVE), named)).first() is None:
+                    return
+                await asyncio.sleep(0.05)
+        raise JournalUnavailable(f"the database session {pid} of an unconfirmed write did not end")
 
     async def _drop_connection(self) -> None:
         self._driver = None
@@ -864,12 +893,15 @@ def _keyed(update_row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-#: PostgreSQL: when this connection's server session began (with its pid, it names the session:
-#: pids are reused). Ending one (:meth:`Journal.settle`) happens only where both still match.
-_SESSION_STARTED = "SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+#: PostgreSQL: the writer connection's server session, named by its pid, when it began (pids are
+#: reused) and a tag of its own in application_name (a pooler hands a session to its next client).
+#: Ending one (:meth:`Journal.settle`) happens only where all three still match.
+_SESSION_NAMED = ("SELECT pid, backend_start, set_config('application_name', $1, false) FROM pg_stat_activity "
+                  "WHERE pid = pg_backend_pid()")
 _END_SESSION = ("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                "WHERE pid = :pid AND backend_start = :started")
-_SESSION_ALIVE = "SELECT 1 FROM pg_stat_activity WHERE pid = :pid AND backend_start = :started"
+                "WHERE pid = :pid AND backend_start = :started AND application_name = :tag")
+_SESSION_ALIVE = ("SELECT 1 FROM pg_stat_activity "
+                  "WHERE pid = :pid AND backend_start = :started AND application_name = :tag")
 
 #: Results larger than this (in total per batch) go through plain statements, not inline JSON.
 _INLINE_LIMIT = 256 * 1024
