@@ -963,7 +963,8 @@ class BrokerAddon:
                 body=r.raw_content or b"",
             )
             if (why := unrecordable(req)) is not None:
-                log.info("refused a request it cannot record: 400 %s", Code.MALFORMED_REQUEST.value)
+                log.info("refused a request of agent %s it cannot record: 400 %s: %s", agent, Code.MALFORMED_REQUEST.value,
+                         why.split(". Nothing", 1)[0])
                 flow.response = _refusal(400, Code.MALFORMED_REQUEST, why)
                 return
             if (gone := flow.metadata.get(_GONE)) is not None:

@@ -1023,7 +1023,10 @@ def read_export(path: Path, events: bool = True) -> Export:
             version = item.get("format")
         else:
             end = item
-    if version is not None and version >= 2 and end is None:
+    if version is None:
+        raise AuditInputError(f"{path}: not an audit export: it has no header line (an export written by `affidavit "
+                              "audit export` begins with one). Nothing was verified")
+    if version >= 2 and end is None:
         raise AuditInputError(
             f"{path}: the export is incomplete: it has no end line, so it was cut short (a copy interrupted, a disk "
             f"full) after {seen} event(s) and {len(marks)} checkpoint(s). Nothing was verified; use a complete copy "
@@ -1082,6 +1085,11 @@ def _dump_lines(path: Path, events: bool) -> Iterator[tuple[str, dict[str, Any]]
                     else:
                         raise ValueError(f"unknown line type {kind!r}")
                 except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as exc:
+                    if not line.endswith("\n"):  # the last line, and unfinished: the file was cut in it
+                        raise AuditInputError(
+                            f"{path}:{number}: the export is incomplete: it ends in the middle of a line, so it was cut "
+                            "short (a copy interrupted, a disk full). Nothing was verified; use a complete copy or "
+                            "export again (`affidavit audit export`)") from None
                     raise AuditInputError(f"{path}:{number}: not a line of an audit export ({exc})") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise AuditInputError(f"{path}: cannot read the dump ({exc})") from None

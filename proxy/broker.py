@@ -1007,11 +1007,15 @@ class Broker:
         until = now + timedelta(seconds=max(self.settings.proxy.retry_lease, route.approval_timeout))
         if holder_alive or not await self._read(
                 leases.take_lease(self.journal.engine, row["invocation_id"], row["generation"], self.owner, now, until)):
-            if record.stage is Stage.APPROVED:
+            if record.stage is Stage.APPROVED and holder_alive:
                 message = (f"Invocation {row['invocation_id']} is approved, and the broker process that holds it "
                            f"({holder}, alive by its heartbeat) is about to send it; had it stopped, a repeat takes "
                            f"the approval over once its heartbeat is {self.settings.recovery.stale_after:g} s old. "
                            "Nothing was sent for this request. Ask again later, or GET /v1/invocations/{id}.")
+            elif record.stage is Stage.APPROVED:  # its holder had stopped, and another repeat took it over first
+                message = (f"Invocation {row['invocation_id']} is approved, and another broker process took it over "
+                           "just now to send it. Nothing was sent for this request. Ask again later, or GET "
+                           "/v1/invocations/{id}.")
             else:
                 message = (f"Invocation {row['invocation_id']} is waiting for an operator's approval. Nothing was "
                            "sent. Ask again later.")

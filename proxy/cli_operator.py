@@ -105,21 +105,22 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]], *, writ
             err=True,
         )
         raise typer.Exit(1)
+    seen: dict[str, str | None] = {}
     try:
-        revision, answer = asyncio.run(on_engine(settings.database.url, lambda engine: _with_revision(engine, work), pool_size=2))
+        answer = asyncio.run(on_engine(settings.database.url, lambda engine: _with_revision(engine, work, seen), pool_size=2))
     except Exception as exc:
+        _note_revision(seen.get("revision"))  # a schema not this version's may be why the work failed
         if isinstance(exc, typer.Exit) or (writes and not isinstance(exc, queries.DATABASE_ERRORS)):
             raise  # a write's own refusal (the vault's, say) is its caller's to word
         if not writes and (immutable := _read_only_copy(settings.database.url, exc)) is not None:
             try:
-                revision, answer = asyncio.run(on_engine(immutable, lambda engine: _with_revision(engine, work), pool_size=1))
+                answer = asyncio.run(on_engine(immutable, lambda engine: _with_revision(engine, work, seen), pool_size=1))
             except Exception:
                 pass  # the first error says best what is wrong
             else:
                 typer.echo(f"affidavit: note: {database} could not be opened for shared reading (a read-only file system, "
                            "or a directory this user cannot write), and no -wal file holds commits it lacks, so it was "
                            "read as it is on disk.", err=True)
-                _note_revision(revision)
                 return answer
         from .config import redact_url
         from .crypto import DecryptError, UnknownKeyId
@@ -155,26 +156,27 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]], *, writ
                    f"{brief(exc)}); {advice}",
                    err=True)
         raise typer.Exit(1) from None
-    _note_revision(revision)
+    _note_revision(seen.get("revision"))
     return answer
 
 
-async def _with_revision(engine: Any, work: Callable[[Any], Awaitable[T]]) -> tuple[str | None, T]:
-    """The journal's schema revision (None if it cannot be read: an auditor may be granted only
-    the tables a command reads), then ``work(engine)``."""
+async def _with_revision(engine: Any, work: Callable[[Any], Awaitable[T]], seen: dict[str, str | None]) -> T:
+    """``work(engine)``, once the journal's schema revision is in ``seen`` (None if it cannot be
+    read: an auditor may be granted only the tables a command reads)."""
     from .store import migrate
 
     try:
-        revision = await migrate.revision(engine)
+        seen["revision"] = await migrate.revision(engine)
     except Exception:
-        revision = None  # the work, if it fails too, says best what is wrong
-    return revision, await work(engine)
+        seen["revision"] = None  # the work, if it fails too, says best what is wrong
+    return await work(engine)
 
 
 def _note_revision(revision: str | None) -> None:
     """A note on stderr when the journal's schema is not the one this version writes: a newer
-    affidavit's records can hold what this version does not show; an older schema is upgraded
-    by the first broker of this version that starts on it."""
+    affidavit's records can hold what this version does not show; an older one needs
+    ``affidavit db upgrade`` (or a broker with ``database.auto_upgrade``) before this version's
+    brokers use it."""
     from .store import migrate
 
     if revision is None or revision == (head := migrate.head()):
@@ -185,8 +187,9 @@ def _note_revision(revision: str | None) -> None:
                    "shown here. Run the command from the version the brokers run.", err=True)
     else:
         typer.echo(f"affidavit: note: the journal is at schema revision {revision}, older than this version's {head}: "
-                   "the brokers that wrote it are older than this command. A broker of this version upgrades it when it "
-                   "starts (database.auto_upgrade), or run `affidavit db upgrade`.", err=True)
+                   "the brokers that wrote it are older than this command. Before brokers of this version use it, run "
+                   "`affidavit db upgrade` with their configuration (or start them with database.auto_upgrade = true).",
+                   err=True)
 
 
 def _read_only_copy(url: str, exc: BaseException) -> str | None:

@@ -525,6 +525,14 @@ def test_an_export_cut_short_or_missing_lines_is_refused_not_verified_as_intact(
             result = CliRunner().invoke(audit_app, command)
             assert result.exit_code == 2 and said in result.output and "intact" not in result.output, (name, result.output)
             assert "Nothing was verified" in result.output
+    mid_line = tmp_path / "mid-line.jsonl"
+    mid_line.write_text("".join(lines[:6]) + lines[6][: len(lines[6]) // 2])
+    with pytest.raises(audit.AuditInputError, match="ends in the middle of a line, so it was cut short"):
+        audit.verify_dump(mid_line)
+    headless = tmp_path / "headless.jsonl"
+    headless.write_text("".join(lines[1:]))
+    with pytest.raises(audit.AuditInputError, match="it has no header line"):
+        audit.verify_dump(headless)
     twice = tmp_path / "twice.jsonl"
     twice.write_text("".join(lines + lines[-1:]))
     with pytest.raises(audit.AuditInputError, match="a second end line"):

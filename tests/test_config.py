@@ -629,6 +629,15 @@ def test_a_read_command_notes_a_journal_schema_older_or_newer_than_its_own(tmp_p
                 assert "schema revision" not in done.stderr, (command, done.stderr)
             else:
                 assert f"affidavit: note: the journal is at schema revision {revision}, {said}" in done.stderr, (command, done.stderr)
+    # A journal really at an older schema: the read fails, and the note says why it may have.
+    (tmp_path / "old").mkdir()
+    old = database_url(dialect, tmp_path / "old", request)
+    migrate.upgrade(old, "0003")
+    done = subprocess.run([AFFIDAVIT, "invocations", "list"], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env={**env, "AFFIDAVIT_DATABASE__URL": old})
+    assert done.returncode == 1 and "the journal could not be read" in done.stderr, done.stderr
+    assert "note: the journal is at schema revision 0003, older than this version's" in done.stderr, done.stderr
+    assert "run `affidavit db upgrade` with their configuration" in done.stderr
 
 
 def test_an_environment_variable_for_a_section_that_does_not_exist_is_refused(tmp_path):

@@ -1725,7 +1725,11 @@ def test_a_lookup_whose_answer_cannot_be_recorded_makes_no_finding(relayed_pg, m
 
     thread = threading.Thread(target=reconcile)
     thread.start()
-    time.sleep(0.7)  # the lookup's answer is complete; the broker pauses before recording it
+    deadline = time.monotonic() + 10
+    while "GET" not in [r.method for r in upstream.received]:  # the lookup reached the remote
+        assert time.monotonic() < deadline, "the lookup was never sent"
+        time.sleep(0.05)
+    time.sleep(0.2)  # its answer is complete; the broker pauses 1.5 s before recording it
     relay.cut()
     thread.join(20)
     looked = answer["r"]
@@ -1776,7 +1780,7 @@ def test_a_repeat_while_a_stopped_brokers_lease_runs_is_told_so_and_takes_the_at
     attempt's first event: no event shows the lease, and a repeat meanwhile was told the
     invocation "is still in progress" while the record said to retry with the same key. The
     409 now says the invocation ended, who holds the lease, until when, and what then."""
-    broker = make_broker("postgresql", routes=crash_routes(upstream), proxy={"retry_lease": "3s"},
+    broker = make_broker("postgresql", routes=crash_routes(upstream), proxy={"retry_lease": "60s"},
                          env={"AFFIDAVIT_FAILPOINTS": "mid_response_headers=kill@1"})
     key = "lease_" + secrets.token_hex(6)
     url = SAFE + "/h/idem_honour?code=201"
@@ -1797,6 +1801,8 @@ def test_a_repeat_while_a_stopped_brokers_lease_runs_is_told_so_and_takes_the_at
     assert (told.status_code, error["code"]) == (409, "IDEMPOTENCY_IN_PROGRESS"), told.text
     assert f"ended unknown, and a broker process ({owner}) holds a lease on it until " in error["message"], error
     assert "the lease runs out then and a repeat with this key may take the attempt over" in error["message"], error
+    # The lease runs out (60 s, so that no restart on a loaded machine outlasts it before the 409).
+    query(broker.database_url, f"UPDATE invocations SET lease_expires_at = now() WHERE invocation_id = '{invocation_id}'")
     deadline = time.monotonic() + 15
     while (repeat := post(broker, url, key)).status_code == 409:
         assert time.monotonic() < deadline, repeat.text

@@ -734,3 +734,4 @@ def test_a_method_or_target_no_record_can_hold_is_refused_unrecorded_and_spoils_
     assert len(upstream.received) == 24 and {r.path for r in upstream.received} == {"/h/ok"}
     assert len(latest(broker, limit=100)) == 24, "the refused requests left no record"
     assert "Traceback" not in broker.logs() and "journal write failed" not in broker.logs()
+    assert broker.logs().count("refused a request of agent builder it cannot record: 400 MALFORMED_REQUEST") == 6
