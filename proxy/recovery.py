@@ -37,6 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from . import metrics
 from .failpoints import failpoint
 from .contract import CallerDisposition, Code, EventKind, Phase, Record, Stage, UnreadableRecord, project
+from .crypto import DecryptError
 from .invocation_log import InvocationLog, identity_of, utcnow
 from .store import queries
 from .store.journal import Fence, Journal, brief
@@ -285,6 +286,12 @@ class Recovery:
             log.warning("invocation %s was left in flight by %s, but this broker cannot close it: %s. A broker of the "
                         "version that wrote it will; upgrade this one (docs/operations.md, Upgrading)",
                         row["invocation_id"], row["owner"], exc)
+            return False
+        except DecryptError as exc:  # one such record must not hold up the sweep of every other
+            self._unreadable.add(row["invocation_id"])
+            log.warning("invocation %s was left in flight by %s, but this broker cannot read it to close it: %s. Put "
+                        "the key it was stored under back in [crypto] keys and restart the broker: its recovery then "
+                        "closes it (docs/vault.md, key rotation)", row["invocation_id"], row["owner"], exc)
             return False
         if record.ended or record.stage not in IN_FLIGHT:
             return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,45 @@ def test_records_under_a_dropped_key_get_clear_answers_not_bare_500s(make_broker
     assert "encrypted under a key" in body["error"]["message"]
     assert len(upstream.received) == sent, "nothing was sent"
     assert "Traceback" not in broker.logs()
+
+
+def test_a_record_under_a_removed_key_holds_up_the_recovery_of_no_other(make_broker, upstream, tmp_path):
+    """A record left in flight under a key later removed from [crypto] keys cannot be read, so
+    recovery cannot close it; the error aborted the whole sweep, at every sweep, and the records
+    after it (under the key still listed) stayed "in flight, caller waiting" as well. Now that one
+    is named in the log with what to do, and the others are closed."""
+    import tomli_w
+
+    from tests.test_crash import _post_in_background, _record_for
+
+    keys = {}
+    for name in ("k1", "k2"):
+        keys[name] = tmp_path / f"{name}.key"
+        keys[name].write_text(generate_key())
+    routes = [{"name": "slow", "host": "slow.example.test", "methods": ["POST"], "agents": ["builder"],
+               "connect_to": f"127.0.0.1:{upstream.tls_port('good')}"}]
+    broker = make_broker("sqlite", routes=routes, crypto={"keys": [f"k1=file:{keys['k1']}"]})
+
+    def left_in_flight(marker: str) -> str:
+        pending = _post_in_background(broker, f"https://slow.example.test/h/slow?delay=8&n={marker}")
+        invocation_id = _record_for(broker, marker)
+        broker.wait_for(invocation_id, lambda r: r["stage"] == "sent", timeout=10)
+        broker.kill()
+        pending.exception(timeout=20)
+        return invocation_id
+
+    under_k1 = left_in_flight("under-k1")
+    broker.config["crypto"] = {"keys": [f"k2=file:{keys['k2']}"]}
+    broker.config_path.write_text(tomli_w.dumps(broker.config))
+    broker.start()
+    under_k2 = left_in_flight("under-k2")
+    broker.start()
+    deadline = time.monotonic() + 15
+    while query(broker.database_url, f"SELECT stage FROM invocations WHERE invocation_id = '{under_k2}'") != [("ended_unknown",)]:
+        assert time.monotonic() < deadline, broker.logs()[-3000:]
+        time.sleep(0.2)
+    assert query(broker.database_url, f"SELECT stage FROM invocations WHERE invocation_id = '{under_k1}'") == [("sent",)]
+    logs = broker.logs()
+    assert f"invocation {under_k1} was left in flight by " in logs and "stored under key 'k1'" in logs, logs[-3000:]
+    assert "Put the key it was stored under back in [crypto] keys and restart the broker" in logs
+    assert "recovery sweep failed" not in logs
