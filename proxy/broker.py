@@ -821,6 +821,16 @@ class Broker:
                     diagnostic=exc.message,
                 )
             name, value = injected_header(route.inject, credential)
+            if _SPLITTER.search(value):  # the upstream client refuses it: not a connection failure
+                return await self._refuse(
+                    entry,
+                    Phase.CREDENTIAL_INJECTION,
+                    Code.CREDENTIAL_MISSING,
+                    f"The credential for route '{route.name}' could not be used ({Code.CREDENTIAL_MISSING.value}): "
+                    f"the secret holds a line break or another control character, which the {name} header cannot "
+                    "carry. Nothing was sent. An operator must fix the secret's value.",
+                    diagnostic=f"secret {credential.id} version {credential.version}: a control character in the value",
+                )
             headers.append((name, value))
             needles = redaction_needles(credential, value)
             headers = _inspectable_codings(headers)

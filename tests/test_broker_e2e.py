@@ -136,6 +136,24 @@ def test_an_echoed_credential_never_reaches_the_agent(broker: BrokerProcess, ups
     assert upstream.received[0].header("Authorization") == f"Bearer {CANARIES['PAYMENTS_KEY']}"
 
 
+def test_a_secret_holding_a_line_break_is_a_credential_failure_not_a_connection_failure(make_broker, upstream: HostileUpstream):
+    """A secret whose value holds CR/LF could not be written into its header: the upstream client
+    refused it, and the agent got 502 CONNECT_FAILED, phase connection_setup, "check the route's
+    host, port or connect_to", with x-should-retry: true. It is the credential that cannot be
+    used: CREDENTIAL_MISSING, phase credential_injection, nothing sent, the value never shown."""
+    secret = "abcd1234-" + secrets.token_hex(4)
+    broker = make_broker("sqlite", env={"PAYMENTS_KEY": secret + "\r\nX-Evil: 1"})
+    upstream.reset()
+    with broker.client() as client:
+        answer = client.post(PAYMENTS + "/h/ok", content=b"{}")
+    error = check_envelope(answer.content)["error"]
+    assert (answer.status_code, error["code"], error["phase"], error["outcome"]) == (
+        502, "CREDENTIAL_MISSING", "credential_injection", "not_attempted"), answer.text
+    assert "holds a line break or another control character" in error["message"], error
+    assert upstream.received == [], "nothing was sent"
+    assert secret not in answer.text and secret not in broker.logs() and secret not in dump_journal(broker.database_url)
+
+
 @pytest.mark.parametrize("coding", ["gzip", "zstd", "deflate", "raw-deflate"])
 def test_an_echoed_credential_is_found_inside_a_compressed_body(broker: BrokerProcess, upstream: HostileUpstream, coding: str):
     """An upstream that echoes the request's headers gzipped (or br, zstd, deflate) would hand
