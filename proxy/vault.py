@@ -26,6 +26,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from .contract import Code
 from .credentials import CredentialUnavailable
 from .crypto import AuthenticationFailed, KeyRing, UnknownKeyId, vault_aad
+from .store import queries
+from .store.journal import brief
 from .store.reading import reading
 from .store.vault_schema import vault_secrets
 
@@ -164,10 +166,19 @@ async def latest(engine: AsyncEngine, ring: KeyRing, name: str, *, what: str | N
     if not ring.enabled:
         raise _locked(what)
     v = vault_secrets.c
-    async with reading(engine) as conn:
-        row = (
-            await conn.execute(select(vault_secrets).where(v.name == name).order_by(v.version.desc()).limit(1))
-        ).mappings().first()
+    try:
+        async with reading(engine) as conn:
+            row = (
+                await conn.execute(select(vault_secrets).where(v.name == name).order_by(v.version.desc()).limit(1))
+            ).mappings().first()
+    except queries.DATABASE_ERRORS as exc:
+        # Before anything is sent: the attempt ends not attempted, never as an internal error that
+        # cannot say whether it was sent (a role without SELECT on the vault, or the database away).
+        raise CredentialUnavailable(
+            Code.CREDENTIAL_MISSING,
+            f"{what}: the vault could not be read ({brief(exc)}); check the database and that the broker's role may "
+            "read vault_secrets",
+        ) from None
     if row is None:
         raise CredentialUnavailable(
             Code.CREDENTIAL_MISSING,

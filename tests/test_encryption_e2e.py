@@ -182,3 +182,24 @@ def test_a_record_under_a_removed_key_holds_up_the_recovery_of_no_other(make_bro
     assert f"invocation {under_k1} was left in flight by " in logs and "stored under key 'k1'" in logs, logs[-3000:]
     assert "Put the key it was stored under back in [crypto] keys and restart the broker" in logs
     assert "recovery sweep failed" not in logs
+
+
+def test_a_vault_that_cannot_be_read_is_a_credential_failure_and_the_record_ends(make_broker, upstream, tmp_path):
+    """The vault's table could not be read (a role without SELECT on it; here, renamed under the
+    broker): the error escaped the attempt, the agent got a 500 "unknown, reconcile" for a
+    request never sent, and its record stayed "validated, caller waiting" while the broker ran.
+    It is a credential that cannot be had: CREDENTIAL_MISSING, not attempted, the record ended."""
+    broker = start_with_keys(make_broker, upstream, "postgresql", tmp_path, keys=True)
+    query(broker.database_url, "ALTER TABLE vault_secrets RENAME TO vault_secrets_moved")
+    try:
+        with broker.client() as client:
+            answer = client.get("https://vaulted.example.test/h/ok")
+    finally:
+        query(broker.database_url, "ALTER TABLE vault_secrets_moved RENAME TO vault_secrets")
+    body = check_envelope(answer.content)
+    assert (answer.status_code, body["error"]["code"], body["error"]["phase"], body["error"]["outcome"]) == (
+        502, "CREDENTIAL_MISSING", "credential_injection", "not_attempted"), answer.text
+    record = broker.wait_for(body["invocation_id"], lambda r: r["stage"] == "ended_not_attempted")
+    assert record["caller_disposition"] == "completed", record
+    assert upstream.received == [], "nothing was sent"
+    assert "the vault could not be read" in broker.logs() and VAULT_CANARY not in broker.logs()
