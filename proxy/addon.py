@@ -963,8 +963,7 @@ class BrokerAddon:
                 body=r.raw_content or b"",
             )
             if (why := unrecordable(req)) is not None:
-                log.info("refused a request of agent %s it cannot record: 400 %s: %s", agent, Code.MALFORMED_REQUEST.value,
-                         why.split(". Nothing", 1)[0])
+                log.info("refused a request of agent %s it cannot record: 400 %s: %s", agent, Code.MALFORMED_REQUEST.value, why)
                 flow.response = _refusal(400, Code.MALFORMED_REQUEST, why)
                 return
             if (gone := flow.metadata.get(_GONE)) is not None:

@@ -259,14 +259,10 @@ class _Exchange:
         self._progress_timer: asyncio.TimerHandle | None = None
         self._publishing = False
         self._ended = False
-        #: The upstream's complete answer is in hand (its record may still be in the making: the
-        #: body's redaction, in a thread for a large one, then the commit).
-        self.answer_in_hand = False
-
-    @property
-    def recording(self) -> bool:
-        """Only the record of a complete answer is outstanding: no timeout may call it missing."""
-        return self.answer_in_hand or self.entry.record.stage in _RECORDING
+        #: The upstream's complete answer is in hand and only its record is outstanding (the body's
+        #: redaction, in a thread for a large one, then the commit): no timeout may call it missing.
+        #: Set before the record's stage says so (RESPONSE_COMPLETE), which only this sets off.
+        self.recording = False
 
     async def prepare_body(self, response: UpstreamResponse) -> None:
         """Work out :meth:`clean_body` in a thread when it means decoding a sizeable body, so a
@@ -489,7 +485,7 @@ class _Exchange:
 
     async def _record_result(self, response: UpstreamResponse) -> _Settled:
         """Steps (1)-(3) of contract section 6: the outcome, its hash, the stored result."""
-        self.answer_in_hand = True
+        self.recording = True
         await failpoint("after_response_complete")
         stored_headers = [(k, v) for k, v in _passable(response.headers) if k.lower() not in _UNSTORED_HEADERS]
         # A bodiless answer's length (a HEAD's, a 304's) is a fact about the representation; a
