@@ -33,6 +33,7 @@ from .credentials import CredentialUnavailable, Credentials, read_source
 from .deadlines import RequestClocks
 from .crypto import KeyRing
 from .failpoints import failpoint
+from .keychecks import KeyMismatch, check_keys
 from .recovery import Recovery
 from .store import migrate, queries
 from .store.journal import Journal, brief, make_engine
@@ -254,6 +255,15 @@ async def serve(
         await journal.close()
         await engine.dispose()
         raise StartupError(f"{journal.start_problem}; see the log above")
+    try:
+        await check_keys(engine, ring, by=f"broker {owner}")
+    except (KeyMismatch, *queries.DATABASE_ERRORS) as exc:
+        await journal.close()
+        await engine.dispose()
+        if isinstance(exc, KeyMismatch):
+            raise StartupError(f"{exc}. Nothing was started") from None
+        raise StartupError(f"could not check the [crypto] keys against the journal: {brief(exc)}. Nothing was started; "
+                           f"{queries.what_to_check(exc)}, then start the broker again") from None
     try:
         upstream = Upstream(ca_bundle=settings.upstream.ca_bundle, keepalive=settings.upstream.keepalive)
     except (OSError, ssl.SSLError) as exc:

@@ -155,6 +155,10 @@ def vault_aad(name: str, version: int) -> bytes:
     return _aad("vault", name, int(version))
 
 
+def key_check_aad(key_id: str) -> bytes:
+    return _aad("key-check", key_id)
+
+
 # -- codecs the journal plugs in ---------------------------------------------------------------
 
 PayloadCodec = Callable[[str, int, dict[str, Any]], tuple[bytes, str | None]]

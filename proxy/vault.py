@@ -15,9 +15,9 @@ Messages name the secret, the version and the key id, never the value.
 from __future__ import annotations
 
 import re
+import socket
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
 
 from sqlalchemy import func, insert, select
 from sqlalchemy.exc import IntegrityError
@@ -26,6 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from .contract import Code
 from .credentials import CredentialUnavailable
 from .crypto import AuthenticationFailed, KeyRing, UnknownKeyId, vault_aad
+from .keychecks import check_keys
 from .store import queries
 from .store.journal import brief
 from .store.reading import reading
@@ -91,6 +92,7 @@ async def _store(engine: AsyncEngine, ring: KeyRing, name: str, value: str, *, m
     check_unlocked(ring, name)
     if not value:
         raise ValueError("an empty value cannot be stored")
+    await check_keys(engine, ring, by=f"`affidavit secrets {'rotate' if must_exist else 'set'}` on {socket.gethostname()}")
     v = vault_secrets.c
     for _ in range(_PUT_ATTEMPTS):
         try:
@@ -99,7 +101,6 @@ async def _store(engine: AsyncEngine, ring: KeyRing, name: str, value: str, *, m
                 if current is None and must_exist:
                     raise nothing_to_rotate(name)
                 version = (current or 0) + 1
-                await _check_encrypting_key(conn, ring)
                 key_id, blob = ring.encrypt(value.encode(), vault_aad(name, version))
                 await conn.execute(
                     insert(vault_secrets).values(
@@ -110,42 +111,6 @@ async def _store(engine: AsyncEngine, ring: KeyRing, name: str, value: str, *, m
         except IntegrityError:
             continue  # another writer took this version number first; read the new maximum
     raise RuntimeError(f"secret '{name}': {_PUT_ATTEMPTS} concurrent writers raced for the next version; try again")
-
-
-class KeyMismatch(ValueError):
-    """The key configured under an id is not the one the vault's rows under that id were encrypted
-    with (another key file behind the same id)."""
-
-
-async def _check_encrypting_key(conn: Any, ring: KeyRing) -> None:
-    """The key new versions would be encrypted with opens a row already stored under its id: with
-    another key file behind the same id, a new version would be written that the brokers (which
-    have the right file) cannot read, while `secrets list` looked healthy. One row that does not
-    open is not enough to say so (it may have been altered): any of the newest few that opens
-    shows the key is the right one."""
-    key_id = ring.encrypting_key_id
-    v = vault_secrets.c
-    rows = (await conn.execute(select(vault_secrets).where(v.key_id == key_id).order_by(v.version.desc())
-                               .limit(_KEY_CHECK_ROWS))).mappings().all()
-    for row in rows:
-        try:
-            ring.decrypt(row["key_id"], row["ciphertext"], vault_aad(row["name"], row["version"]))
-            return
-        except AuthenticationFailed:
-            continue
-    if rows:
-        shown = ", ".join(f"'{r['name']}' {label(r['version'])}" for r in rows[:3]) + (" ..." if len(rows) > 3 else "")
-        raise KeyMismatch(
-            f"the [crypto] key '{key_id}' configured here opens none of the {len(rows)} newest vault row(s) stored "
-            f"under that same id ({shown}). Either this is another key file than the one they were encrypted with "
-            f"(then what it stored no broker with the right file could read: configure the key file the brokers use "
-            f"for '{key_id}'), or those rows were altered in the database (then no key opens them: make a new key "
-            f"with `affidavit keys generate`, list it first in [crypto] keys, and store the secrets again under it)"
-        ) from None
-
-
-#: How many of the newest rows under the encrypting key's id :func:`_check_encrypting_key` tries.
-_KEY_CHECK_ROWS = 20
 
 
 async def latest_version(engine: AsyncEngine, name: str) -> str | None:

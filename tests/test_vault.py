@@ -22,6 +22,7 @@ from proxy import vault
 from proxy.contract import Code
 from proxy.credentials import CredentialUnavailable
 from proxy.crypto import KeyRing, generate_key
+from proxy.keychecks import KeyMismatch
 from proxy.store.journal import on_engine
 from proxy.store.vault_schema import vault_secrets
 from tests.support.journal import dump_journal
@@ -150,14 +151,14 @@ def test_a_secret_is_not_stored_under_an_id_whose_key_file_is_another(db, verb):
 
     async def scenario(engine):
         await vault.put(engine, ring(material), "payments-key", canary())
-        with pytest.raises(vault.KeyMismatch) as caught:
+        with pytest.raises(KeyMismatch) as caught:
             await getattr(vault, verb)(engine, ring(os.urandom(32)), "payments-key" if verb == "rotate" else "other",
                                        canary())
         await vault.put(engine, ring(material), "payments-key", canary())  # the right file still stores
         return caught.value, await vault.latest_version(engine, "payments-key"), await vault.latest_version(engine, "other")
 
     error, latest, other = with_engine(db, scenario)
-    assert "'k1'" in str(error) and "another key file" in str(error) and "payments-key" in str(error)
+    assert "'k1'" in str(error) and "another key file" in str(error) and "`affidavit secrets set` on" in str(error)
     assert (latest, other) == ("v2", None), "nothing was stored by the mismatched key"
 
 
@@ -174,13 +175,13 @@ def test_one_row_that_no_longer_opens_does_not_stop_the_right_key_from_storing(d
             await conn.execute(insert(vault_secrets).values({**stored, "version": stored["version"] + 1,
                                                              "ciphertext": os.urandom(len(stored["ciphertext"]))}))
         await vault.rotate(engine, ring(material), "payments-key", canary())
-        with pytest.raises(vault.KeyMismatch) as caught:
+        with pytest.raises(KeyMismatch) as caught:
             await vault.put(engine, ring(os.urandom(32)), "other", canary())
         return await vault.latest_version(engine, "payments-key"), caught.value
 
     latest, error = with_engine(db, scenario)
     assert latest == "v3", "stored past the altered row"
-    assert "opens none of the" in str(error) and "or those rows were altered" in str(error), str(error)
+    assert "another key file" in str(error) and "or that check was altered" in str(error), str(error)
 
 
 def test_a_ciphertext_copied_onto_another_secret_does_not_decrypt(db):

@@ -2,7 +2,7 @@
 
 Kept apart from :mod:`proxy.store.schema` so the vault and the audit can change without touching
 the journal's hot-path tables; they share its ``metadata`` so Alembic still sees one schema.
-Both tables are append-only in the database (migration 0005), like ``events``.
+These tables are append-only in the database (migrations 0005 and 0013), like ``events``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,19 @@ chain_checkpoints = Table(
     Column("writer_seq", BigInteger, primary_key=True, autoincrement=False),
     Column("hash", String(64), nullable=False),
     Column("at", Timestamp, nullable=False),
+)
+
+#: "The key listed under ``key_id`` is the one that sealed ``sealed``": a known text, AES-GCM under
+#: that key, bound to the id (proxy.keychecks). Written by the first broker or command that
+#: encrypts under the id; every later one opens it before it writes, so another key file behind
+#: the same id is refused instead of storing what the others cannot read.
+key_checks = Table(
+    "key_checks",
+    metadata,
+    Column("key_id", String(64), primary_key=True),
+    Column("sealed", LargeBinary, nullable=False),
+    Column("created_at", Timestamp, nullable=False),
+    Column("created_by", String(200), nullable=False),
 )
 
 #: How often a journal writer should record a checkpoint: whichever comes first. Rows written

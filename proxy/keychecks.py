@@ -1,0 +1,140 @@
+"""Whether the key behind each [crypto] key id is the one the journal's rows under that id use.
+
+A key id is only a name in the configuration; the key itself is a file or an environment
+variable on each host. Another key file behind the same id (a copied config, a regenerated key)
+would encrypt new rows that no broker with the right file can read, while everything looked
+healthy. So each id has a key check (``key_checks``): a known text sealed with the id's key by the
+first broker or command that encrypted under it. :func:`check_keys` runs before a broker serves
+and before ``secrets set``/``rotate`` store: it opens the check of every listed id that has one,
+and writes the check of the encrypting id if it has none yet, after making sure the key opens
+the newest rows already stored under that id (a journal from before the checks existed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from .crypto import AuthenticationFailed, KeyRing, event_aad, key_check_aad, result_aad, vault_aad
+from .store.schema import events, invocations, results
+from .store.vault_schema import key_checks, vault_secrets
+
+#: What a key check seals: a known text (AES-GCM authenticates it; its secrecy does not matter).
+CHECK_TEXT = b"affidavit key check"
+#: How many of the newest stored rows of each kind are tried when an id has no check yet.
+_ROWS_TRIED = 20
+#: Among how many of the newest invocations their events and results are looked for.
+_RECENT_INVOCATIONS = 50
+
+
+class KeyMismatch(ValueError):
+    """The key configured under an id is not the one the journal's rows under that id were
+    encrypted with (another key file behind the same id), or those rows were altered."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Sealed:
+    """A ciphertext stored under a key id and what it is bound to (``what`` names it for people)."""
+
+    what: str
+    blob: bytes
+    aad: bytes
+
+
+async def check_keys(engine: AsyncEngine, ring: KeyRing, *, by: str) -> None:
+    """Raise :class:`KeyMismatch` if a listed key is not the one behind its id in this journal;
+    otherwise make sure the encrypting id has a key check (``by`` is recorded as who wrote it).
+    Database errors are raised as they come."""
+    if not ring.enabled:
+        return
+    async with engine.connect() as conn:
+        checks = {row["key_id"]: row for row in (
+            await conn.execute(select(key_checks).where(key_checks.c.key_id.in_(ring.key_ids)))
+        ).mappings()}
+    for row in checks.values():
+        _open_check(ring, row)
+    encrypting = ring.encrypting_key_id
+    assert encrypting is not None
+    if encrypting in checks:
+        return
+    async with engine.connect() as conn:
+        stored = await _stored_under(conn, encrypting)
+    _open_any(ring, encrypting, stored)
+    key_id, sealed = ring.encrypt(CHECK_TEXT, key_check_aad(encrypting))
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(key_checks.insert().values(
+                key_id=key_id, sealed=sealed, created_at=datetime.now(UTC), created_by=by[:200]))
+    except IntegrityError:
+        # Another broker or command wrote it first (workers starting together): open theirs.
+        async with engine.connect() as conn:
+            row = (await conn.execute(select(key_checks).where(key_checks.c.key_id == encrypting))).mappings().one()
+        _open_check(ring, row)
+
+
+def _open_check(ring: KeyRing, row: Any) -> None:
+    key_id = row["key_id"]
+    try:
+        opened = ring.decrypt(key_id, row["sealed"], key_check_aad(key_id))
+    except AuthenticationFailed:
+        opened = None
+    if opened == CHECK_TEXT:
+        return
+    raise KeyMismatch(
+        f"the [crypto] key '{key_id}' configured here is not the key behind '{key_id}' in this journal: it does not "
+        f"open the key check that {row['created_by']} wrote with it on {row['created_at']:%Y-%m-%d %H:%M:%S} UTC. "
+        f"Either this is another key file than the one its rows were encrypted with (then what it would store no "
+        f"broker with the right file could read, and it cannot read theirs: configure the key file the other brokers "
+        f"use for '{key_id}'), or that check was altered in the database (if the other brokers' file is this one: see "
+        f"docs/vault.md, 'Key checks')"
+    )
+
+
+def _open_any(ring: KeyRing, key_id: str, stored: list[_Sealed]) -> None:
+    """One ciphertext that does not open is not enough to refuse (it may have been altered): any
+    one that opens shows the key is the right one."""
+    for item in stored:
+        try:
+            ring.decrypt(key_id, item.blob, item.aad)
+            return
+        except AuthenticationFailed:
+            continue
+    if stored:
+        shown = ", ".join(item.what for item in stored[:3]) + (" ..." if len(stored) > 3 else "")
+        raise KeyMismatch(
+            f"the [crypto] key '{key_id}' configured here opens none of the {len(stored)} newest row(s) stored under "
+            f"that same id ({shown}). Either this is another key file than the one they were encrypted with (then "
+            f"what it stored no broker with the right file could read: configure the key file the brokers use for "
+            f"'{key_id}'), or those rows were altered in the database (then no key opens them: make a new key with "
+            f"`affidavit keys generate`, list it first in [crypto] keys, and store the secrets again under it)"
+        )
+
+
+async def _stored_under(conn: AsyncConnection, key_id: str) -> list[_Sealed]:
+    """The newest vault rows, and events and results of the newest invocations, under ``key_id``
+    (bounded: ``events`` has no index on ``key_id``, so only recent invocations' rows are read)."""
+    v = vault_secrets.c
+    found = [
+        _Sealed(f"vault '{r['name']}' v{r['version']}", bytes(r["ciphertext"]), vault_aad(r["name"], r["version"]))
+        for r in (await conn.execute(select(vault_secrets).where(v.key_id == key_id).order_by(v.version.desc())
+                                     .limit(_ROWS_TRIED))).mappings()
+    ]
+    recent = select(invocations.c.invocation_id).order_by(invocations.c.created_at.desc()).limit(_RECENT_INVOCATIONS)
+    recent_ids = [r[0] for r in await conn.execute(recent)]
+    if not recent_ids:
+        return found
+    e, r_ = events.c, results.c
+    for row in (await conn.execute(select(e.invocation_id, e.seq, e.payload).where(
+            e.invocation_id.in_(recent_ids), e.key_id == key_id).limit(_ROWS_TRIED))).mappings():
+        found.append(_Sealed(f"event {row['invocation_id']} #{row['seq']}", bytes(row["payload"]),
+                             event_aad(row["invocation_id"], row["seq"])))
+    for row in (await conn.execute(select(r_.invocation_id, r_.body).where(
+            r_.invocation_id.in_(recent_ids), r_.key_id == key_id).limit(_ROWS_TRIED))).mappings():
+        found.append(_Sealed(f"result of {row['invocation_id']}", bytes(row["body"]),
+                             result_aad(row["invocation_id"], "body")))
+    return found
