@@ -1,0 +1,211 @@
+"""Key checks: another key file behind a [crypto] key id is refused before it encrypts anything,
+by `secrets set`/`rotate` and by a broker's start, on both dialects (real databases, a real
+broker process)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import tomli_w
+from sqlalchemy import insert, select
+
+from proxy.crypto import KeyRing, generate_key, payload_codec, result_codec, vault_aad
+from proxy.keychecks import CHECK_TEXT, KeyMismatch, check_keys
+from proxy.store.journal import on_engine
+from proxy.store.schema import events, invocations, results
+from proxy.store.vault_schema import key_checks, vault_secrets
+from tests.support.broker import AFFIDAVIT
+from tests.support.journal import query
+
+
+def ring(*keys: tuple[str, bytes]) -> KeyRing:
+    return KeyRing(list(keys))
+
+
+def run(url: str, work):
+    return asyncio.run(on_engine(url, work))
+
+
+async def checks(engine) -> list[dict]:
+    async with engine.connect() as conn:
+        return [dict(r) for r in (await conn.execute(select(key_checks))).mappings()]
+
+
+def test_the_first_writer_under_an_id_leaves_a_check_and_another_key_file_behind_that_id_is_refused(db):
+    right, wrong = os.urandom(32), os.urandom(32)
+
+    async def scenario(engine):
+        await check_keys(engine, ring(("k1", right)), by="broker one")
+        await check_keys(engine, ring(("k1", right)), by="broker two")  # the same file again: fine, no new row
+        with pytest.raises(KeyMismatch) as refused:
+            await check_keys(engine, ring(("k1", wrong)), by="broker three")
+        return await checks(engine), refused.value
+
+    rows, error = run(db, scenario)
+    assert [(r["key_id"], r["created_by"]) for r in rows] == [("k1", "broker one")]
+    assert CHECK_TEXT not in bytes(rows[0]["sealed"]), "the check is ciphertext"
+    said = str(error)
+    assert "'k1'" in said and "broker one" in said and "another key file" in said and "configure the key file" in said
+
+
+def test_a_listed_key_that_no_longer_encrypts_is_checked_too_and_a_new_id_gets_its_own_check(db):
+    """After a rotation the old id is only read with; another file behind it would read nothing
+    the journal holds under it, so it is refused as well."""
+    k1, k2 = os.urandom(32), os.urandom(32)
+
+    async def scenario(engine):
+        await check_keys(engine, ring(("k1", k1)), by="before the rotation")
+        await check_keys(engine, ring(("k2", k2), ("k1", k1)), by="after the rotation")
+        with pytest.raises(KeyMismatch) as refused:
+            await check_keys(engine, ring(("k2", k2), ("k1", os.urandom(32))), by="a copied config")
+        return await checks(engine), refused.value
+
+    rows, error = run(db, scenario)
+    assert sorted((r["key_id"], r["created_by"]) for r in rows) == [("k1", "before the rotation"), ("k2", "after the rotation")]
+    assert "'k1'" in str(error) and "before the rotation" in str(error)
+
+
+def test_two_writers_with_different_files_racing_for_a_new_id_one_check_wins_and_the_other_is_refused(db):
+    a, b = os.urandom(32), os.urandom(32)
+
+    async def scenario(engine):
+        outcomes = await asyncio.gather(*(check_keys(engine, ring(("k1", m)), by=f"writer {n}") for n, m in enumerate((a, b))),
+                                        return_exceptions=True)
+        return outcomes, await checks(engine)
+
+    outcomes, rows = run(db, scenario)
+    assert len(rows) == 1
+    winner = int(rows[0]["created_by"].split()[-1])
+    assert outcomes[winner] is None and isinstance(outcomes[1 - winner], KeyMismatch), outcomes
+
+
+async def _rows_from_before_the_checks(engine, material: bytes, kind: str) -> None:
+    """A journal from before migration 0013: one row of ``kind`` (an event, a result, a vault
+    version) encrypted under 'k1', and no key check."""
+    keys = ring(("k1", material))
+    invocation_id = "inv_" + os.urandom(8).hex()
+    now = datetime.now(UTC)
+    async with engine.begin() as conn:
+        await conn.execute(insert(invocations).values(
+            invocation_id=invocation_id, created_at=now, updated_at=now, agent="a", route="r", method="GET",
+            target="https://x.test/", fingerprint="f", idempotent=True, remote_contract=False, stage="delivered",
+            phase="completed", outcome="succeeded", caller_disposition="delivered", dispatch_started=True,
+            last_seq=1, owner="old", generation=0, attempts_used=1, retry_budget=0))
+        if kind == "event":
+            payload, key_id = payload_codec(keys)(invocation_id, 1, {"kind": "ACTION_ACCEPTED"})
+            await conn.execute(insert(events).values(
+                invocation_id=invocation_id, seq=1, kind="ACTION_ACCEPTED", at=now, writer="old", writer_seq=1,
+                prev_hash="0" * 64, hash="1" * 64, key_id=key_id, payload=payload))
+        elif kind == "result":
+            body, headers, key_id = result_codec(keys)(invocation_id, b"{}", "[]")
+            await conn.execute(insert(results).values(
+                invocation_id=invocation_id, stored_at=now, status=200, headers=headers, body=body,
+                body_sha256="0" * 64, framing="complete", key_id=key_id))
+        else:
+            key_id, sealed = keys.encrypt(b"sk_old_secret", vault_aad("old", 1))
+            await conn.execute(insert(vault_secrets).values(name="old", version=1, key_id=key_id, ciphertext=sealed,
+                                                            created_at=now))
+
+
+@pytest.mark.parametrize("kind", ["event", "result", "vault"])
+def test_on_a_journal_from_before_the_checks_the_key_must_open_its_newest_rows_before_a_check_is_written(db, kind):
+    right = os.urandom(32)
+
+    async def scenario(engine):
+        await _rows_from_before_the_checks(engine, right, kind)
+        with pytest.raises(KeyMismatch) as refused:
+            await check_keys(engine, ring(("k1", os.urandom(32))), by="the wrong file")
+        nothing = await checks(engine)
+        await check_keys(engine, ring(("k1", right)), by="the right file")
+        return refused.value, nothing, await checks(engine)
+
+    error, before, after = run(db, scenario)
+    assert before == [], "the wrong file wrote no check"
+    assert "opens none of the 1 newest row(s)" in str(error) and "'k1'" in str(error), str(error)
+    assert [r["created_by"] for r in after] == ["the right file"]
+
+
+def _use_key(broker, key_file: Path) -> None:
+    broker.config["crypto"] = {"keys": [f"k1=file:{key_file}"]}
+    broker.config_path.write_text(tomli_w.dumps(broker.config))
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_a_broker_or_secrets_set_with_another_key_file_behind_k1_is_refused_and_writes_nothing(make_broker, tmp_path, dialect):
+    """A broker started with another file behind a listed id would have served, ready, writing
+    records the others cannot read; `secrets set` would have stored a version the brokers
+    cannot open. Both refuse, naming the id and who wrote its check; nothing is written; the
+    right file still starts."""
+    right, wrong = tmp_path / "right.key", tmp_path / "wrong.key"
+    right.write_text(generate_key())
+    wrong.write_text(generate_key())
+    broker = make_broker(dialect, crypto={"keys": [f"k1=file:{right}"]})
+    with broker.client("reviewer") as client:
+        assert client.get("https://review.example.test/h/ok").status_code == 200
+    broker.stop()
+    url = broker.database_url
+    before = rows(url)
+    assert before["events"] > 0 and before["key_checks"] == 1
+
+    _use_key(broker, wrong)
+    done = subprocess.run([AFFIDAVIT, "run", "--config", str(broker.config_path)], cwd=broker.workdir,
+                          env=broker._env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "affidavit: cannot start: the [crypto] key 'k1' configured here is not the key behind 'k1'" in done.stderr, done.stderr[-3000:]
+    assert "wrote with it on" in done.stderr and "Nothing was started" in done.stderr and "Traceback" not in done.stderr
+    assert "proxy listening on" not in done.stdout
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", broker.proxy_port)) != 0, "nothing is left listening"
+
+    stored = broker.command("secrets", "set", "payments-key", input=b"sk_wrong_file_" + os.urandom(8).hex().encode())
+    assert stored.returncode == 2, stored.stderr
+    assert b"the [crypto] key 'k1' configured here is not the key behind 'k1'" in stored.stderr
+    assert stored.stderr.rstrip().endswith(b"nothing was stored"), stored.stderr
+    assert rows(url) == before, "neither wrote anything"
+
+    _use_key(broker, right)
+    broker.start()
+    with broker.client("reviewer") as client:
+        assert client.get("https://review.example.test/h/ok").status_code == 200
+    assert rows(url)["key_checks"] == 1
+
+
+def rows(url: str) -> dict[str, int]:
+    return {table: int(query(url, f"SELECT count(*) FROM {table}")[0][0])
+            for table in ("invocations", "events", "results", "vault_secrets", "key_checks")}
+
+
+def test_a_keyed_repeat_of_a_record_under_a_key_no_longer_listed_says_so_not_that_the_database_is_down(make_broker, upstream, tmp_path):
+    """The journal answered; the record is under a key this broker does not have (it was dropped
+    from [crypto] keys too early). The agent is told that, nothing is sent, and the log names the
+    key to list again."""
+    old, new = tmp_path / "old.key", tmp_path / "new.key"
+    old.write_text(generate_key())
+    new.write_text(generate_key())
+    broker = make_broker("sqlite", crypto={"keys": [f"k1=file:{old}"]})
+    key = "op-" + os.urandom(6).hex()
+    with broker.client() as client:
+        first = client.post("https://api.payments.test/h/ok", headers={"Idempotency-Key": key}, content=b"{}")
+    assert first.status_code == 200, first.text
+    broker.stop()
+    broker.config["crypto"] = {"keys": [f"k2=file:{new}"]}
+    broker.config_path.write_text(tomli_w.dumps(broker.config))
+    broker.start()
+    sent = len(upstream.received)
+    with broker.client() as client:
+        repeat = client.post("https://api.payments.test/h/ok", headers={"Idempotency-Key": key}, content=b"{}")
+    assert repeat.status_code == 503, repeat.text
+    body = repeat.json()
+    error = body["error"]
+    assert (error["code"], error["outcome"], body["invocation_id"]) == ("JOURNAL_UNAVAILABLE", "not_attempted", None), body
+    assert "did not answer" not in error["message"] and "encrypted under a key this broker no longer has" in error["message"]
+    assert body["evidence"]["dispatch_started"] is False
+    assert len(upstream.received) == sent, "nothing was sent"
+    logged = broker.logs()
+    assert "stored under key 'k1', which is not in [crypto] keys" in logged and "Put the key back" in logged, logged[-3000:]
