@@ -12,7 +12,7 @@ import re
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, NoReturn, Optional
+from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
 
 import typer
 
@@ -20,6 +20,9 @@ from .cli_operator import ConfigOption, defaults_notice, settings_or_exit, with_
 from .store.migrate import sqlite_file, sqlite_where
 from .config import ConfigError, load_settings, redact_url
 from .credentials import CredentialUnavailable
+
+if TYPE_CHECKING:
+    from .keychecks import KeyUse
 
 
 secrets_app = typer.Typer(help="Secrets in the encrypted vault (values from stdin or a prompt, never argv).", no_args_is_help=True)
@@ -295,6 +298,74 @@ def keys_generate(
     typer.echo("Reference it in affidavit.toml; the first key encrypts, the others still decrypt:")
     typer.echo("  [crypto]")
     typer.echo(f"  keys = [{listed}]")
+
+
+@keys_app.command("list")
+def keys_list(config: ConfigOption = None) -> None:
+    """Which key ids the journal's rows are stored under, and whether the configured keys are the
+    ones behind their ids. Exit 1 if one is not. Reads every event and result (read-only)."""
+    from .crypto import KeyRing, UnknownKeyId
+    from .keychecks import key_usage, opens_check
+
+    settings = settings_or_exit(config)
+    listed = [key_id for key_id, _ in settings.crypto.entries()]
+    try:
+        ring: KeyRing | None = KeyRing.from_settings(settings.crypto)
+    except ConfigError as exc:
+        ring = None
+        typer.echo(f"affidavit: note: the configured keys cannot be read here ({exc}), so whether they are the ones "
+                   "behind their ids is not shown; run the command where the brokers' key files are", err=True)
+    uses = with_engine(settings, key_usage)
+    where = redact_url(settings.database.url)
+    if not listed and not uses:
+        typer.echo(f"affidavit: no [crypto] keys are configured and {where} holds nothing yet")
+        return
+    typer.echo(f"affidavit: keys in {where} (configured: {', '.join(listed) or 'none'})")
+    wrong = []
+    for key_id in [*listed, *sorted(k for k in uses if k is not None and k not in listed), *([None] if None in uses else [])]:
+        use = uses.get(key_id)
+        if key_id is None:
+            typer.echo(f"  (no key): {_stored(use)}, stored unencrypted (while [crypto] keys was empty)")
+            continue
+        if key_id not in listed:
+            typer.echo(f"  {key_id}: NOT configured: {_stored(use)} cannot be read with this configuration; list the "
+                       "key again to read them")
+            continue
+        role = "listed first, encrypts new rows" if key_id == listed[0] else "listed, reads only"
+        check = use.check if use is not None else None
+        if check is None:
+            said = "no key check yet (the first broker or `secrets set` that encrypts under it writes one)"
+        else:
+            written = f"written by {check['created_by']} on {check['created_at']:%Y-%m-%d %H:%M:%S} UTC"
+            if ring is None:
+                said = f"key check {written}"
+            else:
+                try:
+                    opens = opens_check(ring, check)
+                except UnknownKeyId:
+                    opens = False
+                said = f"the key configured here opens its key check ({written})" if opens else (
+                    f"the key configured here is NOT the key behind '{key_id}': it does not open its key check "
+                    f"({written}); brokers with this configuration will not start (docs/vault.md, Key checks)")
+                if not opens:
+                    wrong.append(key_id)
+        typer.echo(f"  {key_id}: {role}; {said}")
+        typer.echo(f"      {_stored(use)}")
+        if key_id != listed[0] and (use is None or use.empty):
+            typer.echo(f"      nothing in this journal is stored under '{key_id}': it can go from [crypto] keys (unless "
+                       "a backup you may restore holds rows under it)")
+    if wrong:
+        raise typer.Exit(1)
+
+
+def _stored(use: "KeyUse | None") -> str:
+    if use is None or use.empty:
+        return "no rows"
+    parts = [f"{use.events} event(s)" + (f" (newest {use.newest_event:%Y-%m-%d %H:%M} UTC)" if use.newest_event else ""),
+             f"{use.results} result(s)"]
+    if use.vault_versions:
+        parts.append(f"{use.vault_versions} vault version(s), {use.vault_in_use} in use")
+    return ", ".join(parts)
 
 
 def _private_dirs(directory: Path) -> None:

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from .crypto import AuthenticationFailed, KeyRing, event_aad, key_check_aad, result_aad, vault_aad
+from .store.reading import reading
 from .store.schema import events, invocations, results
 from .store.vault_schema import key_checks, vault_secrets
 
@@ -77,13 +78,19 @@ async def check_keys(engine: AsyncEngine, ring: KeyRing, *, by: str) -> None:
         _open_check(ring, row)
 
 
-def _open_check(ring: KeyRing, row: Any) -> None:
+def opens_check(ring: KeyRing, row: Any) -> bool:
+    """Whether ``ring``'s key under the check row's id opens it (False for another key or an
+    altered row; :class:`~proxy.crypto.UnknownKeyId` if the ring has no such id)."""
     key_id = row["key_id"]
     try:
-        opened = ring.decrypt(key_id, row["sealed"], key_check_aad(key_id))
+        return ring.decrypt(key_id, row["sealed"], key_check_aad(key_id)) == CHECK_TEXT
     except AuthenticationFailed:
-        opened = None
-    if opened == CHECK_TEXT:
+        return False
+
+
+def _open_check(ring: KeyRing, row: Any) -> None:
+    key_id = row["key_id"]
+    if opens_check(ring, row):
         return
     raise KeyMismatch(
         f"the [crypto] key '{key_id}' configured here is not the key behind '{key_id}' in this journal: it does not "
@@ -138,3 +145,48 @@ async def _stored_under(conn: AsyncConnection, key_id: str) -> list[_Sealed]:
         found.append(_Sealed(f"result of {row['invocation_id']}", bytes(row["body"]),
                              result_aad(row["invocation_id"], "body")))
     return found
+
+
+@dataclass(slots=True)
+class KeyUse:
+    """What the journal holds under one key id (None: stored unencrypted)."""
+
+    key_id: str | None
+    events: int = 0
+    newest_event: datetime | None = None
+    results: int = 0
+    newest_result: datetime | None = None
+    vault_versions: int = 0
+    vault_in_use: int = 0
+    check: dict[str, Any] | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not (self.events or self.results or self.vault_versions)
+
+
+async def key_usage(engine: AsyncEngine) -> dict[str | None, KeyUse]:
+    """Per key id, how many events, results and vault versions are stored under it, and its key
+    check. Reads every event and result (a full scan of each: no index on ``key_id``)."""
+    uses: dict[str | None, KeyUse] = {}
+
+    def use(key_id: str | None) -> KeyUse:
+        return uses.setdefault(key_id, KeyUse(key_id))
+
+    e, r, v = events.c, results.c, vault_secrets.c
+    async with reading(engine) as conn:
+        for key_id, count, newest in await conn.execute(select(e.key_id, func.count(), func.max(e.at)).group_by(e.key_id)):
+            use(key_id).events, use(key_id).newest_event = int(count), newest
+        for key_id, count, newest in await conn.execute(select(r.key_id, func.count(), func.max(r.stored_at)).group_by(r.key_id)):
+            use(key_id).results, use(key_id).newest_result = int(count), newest
+        for key_id, count in await conn.execute(select(v.key_id, func.count()).group_by(v.key_id)):
+            use(key_id).vault_versions = int(count)
+        newest_versions = select(v.name, func.max(v.version).label("version")).group_by(v.name).subquery()
+        in_use = (select(v.key_id, func.count())
+                  .join(newest_versions, (v.name == newest_versions.c.name) & (v.version == newest_versions.c.version))
+                  .group_by(v.key_id))
+        for key_id, count in await conn.execute(in_use):
+            use(key_id).vault_in_use = int(count)
+        for row in (await conn.execute(select(key_checks))).mappings():
+            use(row["key_id"]).check = dict(row)
+    return uses

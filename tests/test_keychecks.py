@@ -209,3 +209,44 @@ def test_a_keyed_repeat_of_a_record_under_a_key_no_longer_listed_says_so_not_tha
     assert len(upstream.received) == sent, "nothing was sent"
     logged = broker.logs()
     assert "stored under key 'k1', which is not in [crypto] keys" in logged and "Put the key back" in logged, logged[-3000:]
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_keys_list_shows_what_each_key_id_holds_and_whether_the_configured_key_is_the_one_behind_it(make_broker, tmp_path, dialect):
+    """What an operator needs before dropping an old key (step 3 of a rotation): which ids rows are
+    stored under, and whether a configuration's key files are the ones behind their ids."""
+    k1, k2, wrong = tmp_path / "k1.key", tmp_path / "k2.key", tmp_path / "wrong.key"
+    for file in (k1, k2, wrong):
+        file.write_text(generate_key())
+    broker = make_broker(dialect, crypto={"keys": [f"k1=file:{k1}"]})
+    with broker.client("reviewer") as client:
+        assert client.get("https://review.example.test/h/ok").status_code == 200
+    broker.stop()
+
+    def listing(*keys: str) -> subprocess.CompletedProcess[bytes]:
+        broker.config["crypto"] = {"keys": list(keys)}
+        broker.config_path.write_text(tomli_w.dumps(broker.config))
+        return broker.command("keys", "list")
+
+    rotated = listing(f"k2=file:{k2}", f"k1=file:{k1}")
+    out = rotated.stdout.decode()
+    assert rotated.returncode == 0, rotated.stderr
+    assert "  k2: listed first, encrypts new rows; no key check yet" in out and "      no rows" in out, out
+    k1_events = int(query(broker.database_url, "SELECT count(*) FROM events WHERE key_id = 'k1'")[0][0])
+    assert k1_events > 0
+    assert f"  k1: listed, reads only; the key configured here opens its key check (written by broker " in out, out
+    assert f"      {k1_events} event(s) (newest " in out and "1 result(s)" in out, out
+
+    dropped = listing(f"k2=file:{k2}")
+    assert dropped.returncode == 0, dropped.stderr
+    assert f"  k1: NOT configured: {k1_events} event(s)" in dropped.stdout.decode(), dropped.stdout
+
+    mismatched = listing(f"k2=file:{k2}", f"k1=file:{wrong}")
+    assert mismatched.returncode == 1, mismatched.stderr
+    assert "  k1: listed, reads only; the key configured here is NOT the key behind 'k1'" in mismatched.stdout.decode()
+
+    empty_old = listing(f"k1=file:{k1}", f"k2=file:{k2}")  # k2 listed but holding nothing
+    assert "nothing in this journal is stored under 'k2': it can go from [crypto] keys" in empty_old.stdout.decode()
+    for done in (rotated, dropped, mismatched, empty_old):
+        for file in (k1, k2, wrong):
+            assert file.read_text().strip().encode() not in done.stdout + done.stderr, "no key material is shown"
