@@ -84,14 +84,16 @@ def ring_of(settings: Settings) -> KeyRing:
         raise typer.Exit(2) from None
 
 
-def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]], *, writes: bool = False) -> T:
+def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]], *, writes: bool = False,
+                scans: bool = False) -> T:
     """Run ``work(engine)`` against the configured journal; a database error is one clear line.
     A SQLite journal that does not exist is said so (connecting would create an empty file).
 
     A read of a SQLite journal this user may read but not share (a read-only file system, or a
     directory it cannot write, where SQLite cannot make the shared-memory file a WAL reader
     needs) reads the file as immutable instead, but only when no ``-wal`` file holds commits the
-    file does not: then nothing is missed. ``writes``: the work writes (no such fallback)."""
+    file does not: then nothing is missed. ``writes``: the work writes (no such fallback).
+    ``scans``: the work reads whole tables on purpose; its statements get no time bound."""
     from .store.migrate import sqlite_file, sqlite_file_problem, sqlite_where
 
     database = sqlite_file(settings.database.url)
@@ -107,14 +109,16 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]], *, writ
         raise typer.Exit(1)
     seen: dict[str, str | None] = {}
     try:
-        answer = asyncio.run(on_engine(settings.database.url, lambda engine: _with_revision(engine, work, seen), pool_size=2))
+        answer = asyncio.run(on_engine(settings.database.url, lambda engine: _with_revision(engine, work, seen), pool_size=2,
+                                       unbounded_statements=scans))
     except Exception as exc:
         _note_revision(seen.get("revision"))  # a schema not this version's may be why the work failed
         if isinstance(exc, typer.Exit) or (writes and not isinstance(exc, queries.DATABASE_ERRORS)):
             raise  # a write's own refusal (the vault's, say) is its caller's to word
         if not writes and (immutable := _read_only_copy(settings.database.url, exc)) is not None:
             try:
-                answer = asyncio.run(on_engine(immutable, lambda engine: _with_revision(engine, work, seen), pool_size=1))
+                answer = asyncio.run(on_engine(immutable, lambda engine: _with_revision(engine, work, seen), pool_size=1,
+                                               unbounded_statements=scans))
             except Exception:
                 pass  # the first error says best what is wrong
             else:

@@ -12,7 +12,7 @@ import re
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional
 
 import typer
 
@@ -305,7 +305,8 @@ def keys_list(config: ConfigOption = None) -> None:
     """Which key ids the journal's rows are stored under, and whether the configured keys are the
     ones behind their ids. Exit 1 if one is not. Reads every event and result (read-only)."""
     from .crypto import KeyRing, UnknownKeyId
-    from .keychecks import key_usage, opens_check
+    from .keychecks import Tried, key_usage, opens_check, try_stored
+    from .store.reading import reading
 
     settings = settings_or_exit(config)
     listed = [key_id for key_id, _ in settings.crypto.entries()]
@@ -315,7 +316,18 @@ def keys_list(config: ConfigOption = None) -> None:
         ring = None
         typer.echo(f"affidavit: note: the configured keys cannot be read here ({exc}), so whether they are the ones "
                    "behind their ids is not shown; run the command where the brokers' key files are", err=True)
-    uses = with_engine(settings, key_usage)
+
+    async def survey(engine: Any) -> tuple[dict[str | None, KeyUse], dict[str, Tried]]:
+        uses = await key_usage(engine)
+        tried: dict[str, Tried] = {}
+        for key_id in listed if ring is not None else []:  # no check yet: try the key as a broker's start would
+            use = uses.get(key_id)
+            if use is not None and use.check is None and not use.empty:
+                async with reading(engine) as conn:
+                    tried[key_id] = await try_stored(conn, ring, key_id)  # type: ignore[arg-type]
+        return uses, tried
+
+    uses, tried = with_engine(settings, survey, scans=True)
     where = redact_url(settings.database.url)
     if not listed and not uses:
         typer.echo(f"affidavit: no [crypto] keys are configured and {where} holds nothing yet")
@@ -328,13 +340,23 @@ def keys_list(config: ConfigOption = None) -> None:
             typer.echo(f"  (no key): {_stored(use)}, stored unencrypted (while [crypto] keys was empty)")
             continue
         if key_id not in listed:
-            typer.echo(f"  {key_id}: NOT configured: {_stored(use)} cannot be read with this configuration; list the "
-                       "key again to read them")
+            typer.echo(f"  {key_id}: not configured; nothing stored under it (only its key check)" if use is None or use.empty
+                       else f"  {key_id}: NOT configured: {_stored(use)} cannot be read with this configuration; list "
+                       "the key again to read them")
             continue
         role = "listed first, encrypts new rows" if key_id == listed[0] else "listed, reads only"
         check = use.check if use is not None else None
-        if check is None:
-            said = "no key check yet (the first broker or `secrets set` that encrypts under it writes one)"
+        if check is None and key_id in tried:
+            said = ("no key check yet; the key configured here opens the newest rows stored under it (a broker "
+                    "writes its check at its next start)") if not tried[key_id].refuted else (
+                f"no key check yet, and the key configured here is NOT the key behind '{key_id}': it opens none of "
+                f"the {len(tried[key_id].failed)} newest rows stored under it; brokers with this configuration will "
+                "not start (docs/vault.md, Key checks)")
+            if tried[key_id].refuted:
+                wrong.append(key_id)
+        elif check is None:
+            said = "no key check yet" + (" (the first broker or `secrets set` that encrypts under it writes one)"
+                                         if key_id == listed[0] else "")
         else:
             written = f"written by {check['created_by']} on {check['created_at']:%Y-%m-%d %H:%M:%S} UTC"
             if ring is None:
@@ -353,7 +375,7 @@ def keys_list(config: ConfigOption = None) -> None:
         typer.echo(f"      {_stored(use)}")
         if key_id != listed[0] and (use is None or use.empty):
             typer.echo(f"      nothing in this journal is stored under '{key_id}': it can go from [crypto] keys (unless "
-                       "a backup you may restore holds rows under it)")
+                       "a backup you may restore holds rows under it); never give its id to another key")
     if wrong:
         raise typer.Exit(1)
 

@@ -110,11 +110,14 @@ class KeyRing:
     def __repr__(self) -> str:
         return f"KeyRing(key_ids={self._ids!r})"
 
-    def encrypt(self, plaintext: bytes, aad: bytes) -> tuple[str, bytes]:
-        """(key id, nonce || ciphertext+tag) under the first key, with a fresh random nonce."""
+    def encrypt(self, plaintext: bytes, aad: bytes, *, key_id: str | None = None) -> tuple[str, bytes]:
+        """(key id, nonce || ciphertext+tag) under the first key (or ``key_id``'s), with a fresh
+        random nonce."""
         if not self._ids:
             raise UnknownKeyId("no [crypto] keys are configured; nothing can be encrypted")
-        key_id = self._ids[0]
+        key_id = key_id or self._ids[0]
+        if key_id not in self._keys:
+            raise UnknownKeyId(f"no key '{key_id}' in [crypto] keys")
         nonce = os.urandom(NONCE_BYTES)
         return key_id, nonce + self._keys[key_id].encrypt(nonce, plaintext, aad)
 

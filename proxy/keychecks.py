@@ -12,7 +12,11 @@ the newest rows already stored under that id (a journal from before the checks e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import base64
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,6 +28,8 @@ from .crypto import AuthenticationFailed, KeyRing, event_aad, key_check_aad, res
 from .store.reading import reading
 from .store.schema import events, invocations, results
 from .store.vault_schema import key_checks, vault_secrets
+
+log = logging.getLogger("affidavit.keys")
 
 #: What a key check seals: a known text (AES-GCM authenticates it; its secrecy does not matter).
 CHECK_TEXT = b"affidavit key check"
@@ -47,34 +53,59 @@ class _Sealed:
     aad: bytes
 
 
+@dataclass(slots=True)
+class Tried:
+    """What trying a key on the newest rows stored under its id found: whether one opened, and
+    which of those tried before it did not."""
+
+    opened: bool = False
+    failed: list[str] = field(default_factory=list)
+
+    @property
+    def refuted(self) -> bool:
+        """Rows are stored under the id and none opens: another key, or every one altered."""
+        return bool(self.failed) and not self.opened
+
+
 async def check_keys(engine: AsyncEngine, ring: KeyRing, *, by: str) -> None:
     """Raise :class:`KeyMismatch` if a listed key is not the one behind its id in this journal;
-    otherwise make sure the encrypting id has a key check (``by`` is recorded as who wrote it).
-    Database errors are raised as they come."""
+    otherwise make sure the encrypting id has a key check, and every other listed id with rows
+    under it too (``by`` is recorded as who wrote it). Database errors are raised as they come."""
     if not ring.enabled:
         return
-    async with engine.connect() as conn:
+    async with reading(engine) as conn:  # on SQLite a plain connection would take the write lock
         checks = {row["key_id"]: row for row in (
             await conn.execute(select(key_checks).where(key_checks.c.key_id.in_(ring.key_ids)))
         ).mappings()}
     for row in checks.values():
         _open_check(ring, row)
-    encrypting = ring.encrypting_key_id
-    assert encrypting is not None
-    if encrypting in checks:
-        return
-    async with engine.connect() as conn:
-        stored = await _stored_under(conn, encrypting)
-    _open_any(ring, encrypting, stored)
-    key_id, sealed = ring.encrypt(CHECK_TEXT, key_check_aad(encrypting))
+    verdicts: dict[str, Tried] = {}
+    for key_id in ring.key_ids:  # all tried before any check is written: a refused start binds nothing
+        if key_id not in checks:
+            async with reading(engine) as conn:
+                verdicts[key_id] = tried = await try_stored(conn, ring, key_id)
+            if tried.refuted:
+                raise _refuted(key_id, tried.failed)
+    for key_id, tried in verdicts.items():
+        if tried.failed:
+            log.warning("[crypto] key '%s' opens the newest rows stored under it but not %d tried before them (%s): "
+                        "they were altered, or written by a broker with another key file behind '%s'; its key check "
+                        "is written now, binding the id to this key", key_id, len(tried.failed), _shown(tried.failed),
+                        key_id)
+        if tried.opened or key_id == ring.encrypting_key_id:
+            await _write_check(engine, ring, key_id, by)
+
+
+async def _write_check(engine: AsyncEngine, ring: KeyRing, key_id: str, by: str) -> None:
+    _, sealed = ring.encrypt(CHECK_TEXT, key_check_aad(key_id), key_id=key_id)
     try:
         async with engine.begin() as conn:
             await conn.execute(key_checks.insert().values(
                 key_id=key_id, sealed=sealed, created_at=datetime.now(UTC), created_by=by[:200]))
     except IntegrityError:
         # Another broker or command wrote it first (workers starting together): open theirs.
-        async with engine.connect() as conn:
-            row = (await conn.execute(select(key_checks).where(key_checks.c.key_id == encrypting))).mappings().one()
+        async with reading(engine) as conn:
+            row = (await conn.execute(select(key_checks).where(key_checks.c.key_id == key_id))).mappings().one()
         _open_check(ring, row)
 
 
@@ -88,6 +119,10 @@ def opens_check(ring: KeyRing, row: Any) -> bool:
         return False
 
 
+_LOST_KEY = ("if that key file is lost, take '{key_id}' out of [crypto] keys and list a new key under a new id "
+             "(`affidavit keys generate`): what is stored under '{key_id}' stays unreadable")
+
+
 def _open_check(ring: KeyRing, row: Any) -> None:
     key_id = row["key_id"]
     if opens_check(ring, row):
@@ -95,56 +130,72 @@ def _open_check(ring: KeyRing, row: Any) -> None:
     raise KeyMismatch(
         f"the [crypto] key '{key_id}' configured here is not the key behind '{key_id}' in this journal: it does not "
         f"open the key check that {row['created_by']} wrote with it on {row['created_at']:%Y-%m-%d %H:%M:%S} UTC. "
-        f"Either this is another key file than the one its rows were encrypted with (then what it would store no "
-        f"broker with the right file could read, and it cannot read theirs: configure the key file the other brokers "
-        f"use for '{key_id}'), or that check was altered in the database (if the other brokers' file is this one: see "
-        f"docs/vault.md, 'Key checks')"
+        f"Either this is another key file than the one the brokers encrypt with under '{key_id}' (what it stored "
+        f"they could not read, and it cannot read theirs): configure the key file the other brokers use for "
+        f"'{key_id}' ({_LOST_KEY.format(key_id=key_id)}); or, if every broker has this very file, that check was "
+        f"altered in the database (docs/vault.md, 'Key checks')"
     )
 
 
-def _open_any(ring: KeyRing, key_id: str, stored: list[_Sealed]) -> None:
-    """One ciphertext that does not open is not enough to refuse (it may have been altered): any
-    one that opens shows the key is the right one."""
-    for item in stored:
-        try:
-            ring.decrypt(key_id, item.blob, item.aad)
-            return
-        except AuthenticationFailed:
-            continue
-    if stored:
-        shown = ", ".join(item.what for item in stored[:3]) + (" ..." if len(stored) > 3 else "")
-        raise KeyMismatch(
-            f"the [crypto] key '{key_id}' configured here opens none of the {len(stored)} newest row(s) stored under "
-            f"that same id ({shown}). Either this is another key file than the one they were encrypted with (then "
-            f"what it stored no broker with the right file could read: configure the key file the brokers use for "
-            f"'{key_id}'), or those rows were altered in the database (then no key opens them: make a new key with "
-            f"`affidavit keys generate`, list it first in [crypto] keys, and store the secrets again under it)"
-        )
+def _refuted(key_id: str, failed: list[str]) -> KeyMismatch:
+    return KeyMismatch(
+        f"the [crypto] key '{key_id}' configured here opens none of the {len(failed)} newest row(s) stored under that "
+        f"same id ({_shown(failed)}). Either this is another key file than the one they were encrypted with (then "
+        f"what it stored no broker with the right file could read: configure the key file the brokers use for "
+        f"'{key_id}'; {_LOST_KEY.format(key_id=key_id)}), or those rows were altered in the database (then no key "
+        f"opens them: make a new key with `affidavit keys generate`, list it first in [crypto] keys, and store the "
+        f"secrets again under it)"
+    )
 
 
-async def _stored_under(conn: AsyncConnection, key_id: str) -> list[_Sealed]:
-    """The newest vault rows, and events and results of the newest invocations, under ``key_id``
-    (bounded: ``events`` has no index on ``key_id``, so only recent invocations' rows are read)."""
-    v = vault_secrets.c
-    found = [
-        _Sealed(f"vault '{r['name']}' v{r['version']}", bytes(r["ciphertext"]), vault_aad(r["name"], r["version"]))
-        for r in (await conn.execute(select(vault_secrets).where(v.key_id == key_id).order_by(v.version.desc())
-                                     .limit(_ROWS_TRIED))).mappings()
-    ]
-    recent = select(invocations.c.invocation_id).order_by(invocations.c.created_at.desc()).limit(_RECENT_INVOCATIONS)
-    recent_ids = [r[0] for r in await conn.execute(recent)]
-    if not recent_ids:
-        return found
-    e, r_ = events.c, results.c
-    for row in (await conn.execute(select(e.invocation_id, e.seq, e.payload).where(
-            e.invocation_id.in_(recent_ids), e.key_id == key_id).limit(_ROWS_TRIED))).mappings():
-        found.append(_Sealed(f"event {row['invocation_id']} #{row['seq']}", bytes(row["payload"]),
-                             event_aad(row["invocation_id"], row["seq"])))
-    for row in (await conn.execute(select(r_.invocation_id, r_.body).where(
-            r_.invocation_id.in_(recent_ids), r_.key_id == key_id).limit(_ROWS_TRIED))).mappings():
-        found.append(_Sealed(f"result of {row['invocation_id']}", bytes(row["body"]),
-                             result_aad(row["invocation_id"], "body")))
-    return found
+def _shown(items: list[str]) -> str:
+    return ", ".join(items[:3]) + (" ..." if len(items) > 3 else "")
+
+
+async def try_stored(conn: AsyncConnection, ring: KeyRing, key_id: str) -> Tried:
+    """Try ``ring``'s key under ``key_id`` on the newest rows stored under that id, until one
+    opens: events of the newest invocations, then vault versions, then results (their headers:
+    a body may be large). One that does not open is not enough to refuse (it may have been
+    altered): any one that opens shows the key is the right one. Bounded: ``events`` has no
+    index on ``key_id``, so only recent invocations' rows are read."""
+    tried = Tried()
+    async with aclosing(_stored_under(conn, key_id)) as stored:
+        async for item in stored:
+            try:
+                ring.decrypt(key_id, item.blob, item.aad)
+            except AuthenticationFailed:
+                tried.failed.append(item.what)
+                continue
+            tried.opened = True
+            break
+    return tried
+
+
+async def _stored_under(conn: AsyncConnection, key_id: str) -> AsyncIterator[_Sealed]:
+    i, e, r_, v = invocations.c, events.c, results.c, vault_secrets.c
+    recent = select(i.invocation_id, i.created_at).order_by(i.created_at.desc()).limit(_RECENT_INVOCATIONS).subquery()
+    newest_first = (recent.c.created_at.desc(), recent.c.invocation_id)
+    for row in (await conn.execute(
+            select(e.invocation_id, e.seq, e.payload).join(recent, recent.c.invocation_id == e.invocation_id)
+            .where(e.key_id == key_id).order_by(*newest_first, e.seq.desc()).limit(_ROWS_TRIED))).mappings().all():
+        yield _Sealed(f"event {row['invocation_id']} #{row['seq']}", bytes(row["payload"]),
+                      event_aad(row["invocation_id"], row["seq"]))
+    for row in (await conn.execute(select(vault_secrets).where(v.key_id == key_id)
+                                   .order_by(v.created_at.desc(), v.version.desc()).limit(_ROWS_TRIED))).mappings().all():
+        yield _Sealed(f"vault '{row['name']}' v{row['version']}", bytes(row["ciphertext"]),
+                      vault_aad(row["name"], row["version"]))
+    for row in (await conn.execute(
+            select(r_.invocation_id, r_.headers).join(recent, recent.c.invocation_id == r_.invocation_id)
+            .where(r_.key_id == key_id).order_by(*newest_first).limit(_ROWS_TRIED))).mappings().all():
+        yield _Sealed(f"result of {row['invocation_id']}", _headers_blob(row["headers"]),
+                      result_aad(row["invocation_id"], "headers"))
+
+
+def _headers_blob(stored: str) -> bytes:
+    try:
+        return base64.b64decode(stored, validate=True)
+    except ValueError:
+        return b""  # altered: opens with no key
 
 
 @dataclass(slots=True)

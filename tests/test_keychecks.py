@@ -5,6 +5,8 @@ broker process)."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import logging
 import os
 import socket
 import subprocess
@@ -16,6 +18,7 @@ import tomli_w
 from sqlalchemy import insert, select
 
 from proxy.crypto import KeyRing, generate_key, payload_codec, result_codec, vault_aad
+from proxy import keychecks
 from proxy.keychecks import CHECK_TEXT, KeyMismatch, check_keys
 from proxy.store.journal import on_engine
 from proxy.store.schema import events, invocations, results
@@ -71,6 +74,34 @@ def test_a_listed_key_that_no_longer_encrypts_is_checked_too_and_a_new_id_gets_i
     assert "'k1'" in str(error) and "before the rotation" in str(error)
 
 
+@pytest.mark.parametrize("rival_has_the_same_file", [False, True])
+def test_a_check_written_by_another_writer_between_the_look_and_the_write_is_opened_not_overwritten(db, monkeypatch, rival_has_the_same_file):
+    """Workers starting together: another writes the id's check after this one found none. The
+    insert collides, and this one opens theirs: refused if the files differ, fine if not."""
+    mine = os.urandom(32)
+    rival = mine if rival_has_the_same_file else os.urandom(32)
+    original = keychecks.try_stored
+
+    async def scenario(engine):
+        async def rival_first(conn, keys, key_id):
+            await keychecks._write_check(engine, ring(("k1", rival)), key_id, "the rival worker")
+            return await original(conn, keys, key_id)
+
+        monkeypatch.setattr(keychecks, "try_stored", rival_first)
+        try:
+            await check_keys(engine, ring(("k1", mine)), by="this worker")
+        except KeyMismatch as exc:
+            return exc, await checks(engine)
+        return None, await checks(engine)
+
+    error, rows = run(db, scenario)
+    assert [r["created_by"] for r in rows] == ["the rival worker"], "one check, the first writer's"
+    if rival_has_the_same_file:
+        assert error is None
+    else:
+        assert isinstance(error, KeyMismatch) and "the rival worker" in str(error), error
+
+
 def test_two_writers_with_different_files_racing_for_a_new_id_one_check_wins_and_the_other_is_refused(db):
     a, b = os.urandom(32), os.urandom(32)
 
@@ -85,12 +116,14 @@ def test_two_writers_with_different_files_racing_for_a_new_id_one_check_wins_and
     assert outcomes[winner] is None and isinstance(outcomes[1 - winner], KeyMismatch), outcomes
 
 
-async def _rows_from_before_the_checks(engine, material: bytes, kind: str) -> None:
+async def _rows_from_before_the_checks(engine, material: bytes, kind: str, *, key_id: str = "k1",
+                                      version: int = 1, altered: bool = False) -> None:
     """A journal from before migration 0013: one row of ``kind`` (an event, a result, a vault
-    version) encrypted under 'k1', and no key check."""
-    keys = ring(("k1", material))
+    version) encrypted under ``key_id`` (``altered``: its bytes replaced), and no key check."""
+    keys = ring((key_id, material))
     invocation_id = "inv_" + os.urandom(8).hex()
     now = datetime.now(UTC)
+    spoil = (lambda blob: os.urandom(len(blob))) if altered else (lambda blob: blob)
     async with engine.begin() as conn:
         await conn.execute(insert(invocations).values(
             invocation_id=invocation_id, created_at=now, updated_at=now, agent="a", route="r", method="GET",
@@ -98,19 +131,21 @@ async def _rows_from_before_the_checks(engine, material: bytes, kind: str) -> No
             phase="completed", outcome="succeeded", caller_disposition="delivered", dispatch_started=True,
             last_seq=1, owner="old", generation=0, attempts_used=1, retry_budget=0))
         if kind == "event":
-            payload, key_id = payload_codec(keys)(invocation_id, 1, {"kind": "ACTION_ACCEPTED"})
+            payload, stored_under = payload_codec(keys)(invocation_id, 1, {"kind": "ACTION_ACCEPTED"})
             await conn.execute(insert(events).values(
-                invocation_id=invocation_id, seq=1, kind="ACTION_ACCEPTED", at=now, writer="old", writer_seq=1,
-                prev_hash="0" * 64, hash="1" * 64, key_id=key_id, payload=payload))
+                invocation_id=invocation_id, seq=1, kind="ACTION_ACCEPTED", at=now, writer="old", writer_seq=version,
+                prev_hash="0" * 64, hash="1" * 64, key_id=stored_under, payload=spoil(payload)))
         elif kind == "result":
-            body, headers, key_id = result_codec(keys)(invocation_id, b"{}", "[]")
+            body, headers, stored_under = result_codec(keys)(invocation_id, b"{}", "[]")
+            if altered:
+                headers = base64.b64encode(os.urandom(48)).decode()
             await conn.execute(insert(results).values(
                 invocation_id=invocation_id, stored_at=now, status=200, headers=headers, body=body,
-                body_sha256="0" * 64, framing="complete", key_id=key_id))
+                body_sha256="0" * 64, framing="complete", key_id=stored_under))
         else:
-            key_id, sealed = keys.encrypt(b"sk_old_secret", vault_aad("old", 1))
-            await conn.execute(insert(vault_secrets).values(name="old", version=1, key_id=key_id, ciphertext=sealed,
-                                                            created_at=now))
+            stored_under, sealed = keys.encrypt(b"sk_old_secret", vault_aad("old", version))
+            await conn.execute(insert(vault_secrets).values(name="old", version=version, key_id=stored_under,
+                                                            ciphertext=spoil(sealed), created_at=now))
 
 
 @pytest.mark.parametrize("kind", ["event", "result", "vault"])
@@ -234,7 +269,7 @@ def test_keys_list_shows_what_each_key_id_holds_and_whether_the_configured_key_i
     assert "  k2: listed first, encrypts new rows; no key check yet" in out and "      no rows" in out, out
     k1_events = int(query(broker.database_url, "SELECT count(*) FROM events WHERE key_id = 'k1'")[0][0])
     assert k1_events > 0
-    assert f"  k1: listed, reads only; the key configured here opens its key check (written by broker " in out, out
+    assert "  k1: listed, reads only; the key configured here opens its key check (written by broker " in out, out
     assert f"      {k1_events} event(s) (newest " in out and "1 result(s)" in out, out
 
     dropped = listing(f"k2=file:{k2}")
@@ -250,3 +285,70 @@ def test_keys_list_shows_what_each_key_id_holds_and_whether_the_configured_key_i
     for done in (rotated, dropped, mismatched, empty_old):
         for file in (k1, k2, wrong):
             assert file.read_text().strip().encode() not in done.stdout + done.stderr, "no key material is shown"
+
+
+@pytest.mark.parametrize("kind", ["event", "result", "vault"])
+def test_on_a_journal_from_before_the_checks_an_altered_newest_row_does_not_refuse_the_right_key(db, kind, caplog):
+    """A row altered in the database opens with no key, so it proves nothing; an older one that
+    opens proves the key. The altered one is logged. With none that opens, both causes are said."""
+    right = os.urandom(32)
+
+    async def scenario(engine):
+        await _rows_from_before_the_checks(engine, right, kind, version=1)
+        await _rows_from_before_the_checks(engine, right, kind, version=2, altered=True)
+        with pytest.raises(KeyMismatch) as refused:
+            await check_keys(engine, ring(("k1", os.urandom(32))), by="the wrong file")
+        with caplog.at_level(logging.WARNING, logger="affidavit.keys"):
+            await check_keys(engine, ring(("k1", right)), by="the right file")
+        return refused.value, await checks(engine)
+
+    error, rows = run(db, scenario)
+    assert "opens none of the 2 newest row(s)" in str(error) and "or those rows were altered" in str(error), str(error)
+    assert [r["created_by"] for r in rows] == ["the right file"]
+    assert any("opens the newest rows stored under it but not 1 tried before them" in r.getMessage() for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
+
+
+def test_an_id_that_only_reads_is_bound_too_once_its_key_opens_what_is_stored_under_it(db):
+    """A journal upgraded to the checks mid-rotation (keys = [k2, k1]): k1 encrypts nothing more,
+    but another file behind it would read nothing the journal holds under it, so it is checked
+    against those rows and then bound like the encrypting id."""
+    k1, k2 = os.urandom(32), os.urandom(32)
+
+    async def scenario(engine):
+        await _rows_from_before_the_checks(engine, k1, "event")
+        with pytest.raises(KeyMismatch) as refused:
+            await check_keys(engine, ring(("k2", k2), ("k1", os.urandom(32))), by="a wrong k1")
+        nothing = await checks(engine)
+        await check_keys(engine, ring(("k2", k2), ("k1", k1)), by="the rotation")
+        bound = await checks(engine)
+        with pytest.raises(KeyMismatch) as later:
+            await check_keys(engine, ring(("k2", k2), ("k1", os.urandom(32))), by="a wrong k1 later")
+        return refused.value, nothing, bound, later.value
+
+    refused, nothing, bound, later = run(db, scenario)
+    assert "'k1'" in str(refused) and "opens none of the 1 newest row(s)" in str(refused), str(refused)
+    assert nothing == [], "a refused start binds nothing"
+    assert sorted(r["key_id"] for r in bound) == ["k1", "k2"]
+    assert "does not open the key check that the rotation wrote" in str(later), str(later)
+
+
+def test_keys_list_on_a_journal_from_before_the_checks_tries_the_key_on_the_stored_rows(db, tmp_path):
+    """No check yet under 'k1', rows under it: `keys list` says whether the configured key opens
+    them, as a broker's start would, and exits 1 if not."""
+    right = os.urandom(32)
+    run(db, lambda engine: _rows_from_before_the_checks(engine, right, "event"))
+    outputs = []
+    for material, status in ((os.urandom(32), 1), (right, 0)):
+        key_file = tmp_path / "k1.key"
+        key_file.write_text(base64.b64encode(material).decode())
+        config = tmp_path / "affidavit.toml"
+        config.write_text(tomli_w.dumps({"database": {"url": db}, "crypto": {"keys": [f"k1=file:{key_file}"]}}))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AFFIDAVIT_")}
+        done = subprocess.run([AFFIDAVIT, "keys", "list", "--config", str(config)], capture_output=True, text=True,
+                              timeout=60, cwd=tmp_path, env=env)
+        assert done.returncode == status, done.stdout + done.stderr
+        outputs.append(done.stdout)
+    assert "  k1: listed first, encrypts new rows; no key check yet, and the key configured here is NOT the key behind 'k1'" in outputs[0], outputs[0]
+    assert "  k1: listed first, encrypts new rows; no key check yet; the key configured here opens the newest rows" in outputs[1], outputs[1]
+    assert run(db, checks) == [], "keys list writes nothing"

@@ -181,17 +181,21 @@ def _sqlite_settings(engine: Engine, timeout: float) -> Engine:
     return engine
 
 
-async def on_engine(url: str, work: Callable[[AsyncEngine], Awaitable[T]], pool_size: int = 10) -> T:
-    """``work(engine)`` on a short-lived engine (commands, tools), disposed whatever happens."""
-    engine = make_engine(url, pool_size)
+async def on_engine(url: str, work: Callable[[AsyncEngine], Awaitable[T]], pool_size: int = 10, *,
+                    unbounded_statements: bool = False) -> T:
+    """``work(engine)`` on a short-lived engine (commands, tools), disposed whatever happens.
+    ``unbounded_statements``: see :func:`make_engine`."""
+    engine = make_engine(url, pool_size, unbounded_statements=unbounded_statements)
     try:
         return await work(engine)
     finally:
         await engine.dispose()
 
 
-def make_engine(url: str, pool_size: int = 10, timeout: float = 5.0) -> AsyncEngine:
-    """An async engine with the settings durability and fail-fast behaviour depend on."""
+def make_engine(url: str, pool_size: int = 10, timeout: float = 5.0, *, unbounded_statements: bool = False) -> AsyncEngine:
+    """An async engine with the settings durability and fail-fast behaviour depend on. ``timeout``
+    bounds connecting, waiting (SQLite: for the lock) and each PostgreSQL statement, which
+    ``unbounded_statements`` leaves unbounded (a command that scans a whole table on purpose)."""
     if url.startswith("sqlite"):
         engine = create_async_engine(url, connect_args={"timeout": timeout})
         _sqlite_settings(engine.sync_engine, timeout)
@@ -202,7 +206,7 @@ def make_engine(url: str, pool_size: int = 10, timeout: float = 5.0) -> AsyncEng
         max_overflow=pool_size,
         pool_pre_ping=True,
         pool_timeout=timeout,
-        connect_args={"timeout": timeout, "command_timeout": timeout},
+        connect_args={"timeout": timeout, "command_timeout": None if unbounded_statements else timeout},
     )
 
 
