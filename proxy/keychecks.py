@@ -5,9 +5,10 @@ variable on each host. Another key file behind the same id (a copied config, a r
 would encrypt new rows that no broker with the right file can read, while everything looked
 healthy. So each id has a key check (``key_checks``): a known text sealed with the id's key by the
 first broker or command that encrypted under it. :func:`check_keys` runs before a broker serves
-and before ``secrets set``/``rotate`` store: it opens the check of every listed id that has one,
-and writes the check of the encrypting id if it has none yet, after making sure the key opens
-the newest rows already stored under that id (a journal from before the checks existed).
+and before ``secrets set``/``rotate`` store: it opens the check of every listed id that has one;
+an id without one gets it once its key opens one of the newest rows already stored under it (a
+journal from before the checks existed), and the encrypting id gets it even with none stored.
+:func:`key_usage` is what ``affidavit keys list`` shows.
 """
 
 from __future__ import annotations
