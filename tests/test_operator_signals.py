@@ -449,8 +449,11 @@ def test_a_request_still_in_flight_is_neither_counted_nor_queued_for_reconciliat
     import concurrent.futures
 
     broker = make_broker(dialect)
+    gate = f"in-flight-{dialect}-{secrets.token_hex(4)}"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        slow = pool.submit(lambda: broker.client().post(f"{PAYMENTS}/h/slow?delay=4", content=b"{}"))
+        # Held at the upstream until the looks below are done (a fixed delay ran out on a loaded
+        # machine while `affidavit metrics` started, and the request was counted as ended).
+        slow = pool.submit(lambda: broker.client().post(f"{PAYMENTS}/h/ok?gate={gate}", content=b"{}"))
         deadline = time.monotonic() + 10
         while not _sql(broker, "SELECT invocation_id FROM invocations WHERE stage IN ('dispatched', 'sent')"):
             assert time.monotonic() < deadline, "the slow request was never dispatched"
@@ -459,6 +462,7 @@ def test_a_request_still_in_flight_is_neither_counted_nor_queued_for_reconciliat
         assert _sql(broker, "SELECT count(*) FROM invocation_outcomes") == [("0",)]
         rows, summary = metrics_table(broker, "--since", "1h")
         assert rows == expected_table({}) and summary.startswith("remote_execution/unknown: 0 "), summary
+        upstream.open_gate(gate)
         assert slow.result(timeout=20).status_code == 200
     deadline = time.monotonic() + 10
     while _sql(broker, "SELECT stage FROM invocations") != [("delivered",)]:

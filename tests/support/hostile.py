@@ -596,8 +596,11 @@ class HostileUpstream:
     # closes makes it reset the connection (RST) instead of closing it (FIN).
 
     async def _b_ok(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
-        """Effect after the whole request is read; then a complete 200 JSON echo."""
-        return await self._send(conn, entry, 200, self._echo(conn, entry, self._apply(entry)))
+        """Effect after the whole request is read; then (after ``?delay=``/``?gate=``, see
+        :meth:`_hold`) a complete 200 JSON echo."""
+        n = self._apply(entry)
+        await self._hold(q)
+        return await self._send(conn, entry, 200, self._echo(conn, entry, n))
 
     async def _b_status(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
         """Effect, then a complete ``?code=`` (200) response; ``?retry_after=``, ``?location=``, ``?job=``,
