@@ -262,8 +262,10 @@ async def serve(
         await engine.dispose()
         if isinstance(exc, KeyMismatch):
             raise StartupError(f"{exc}. Nothing was started") from None
+        advice = ("check that the database is up, and that no session holds a lock on key_checks, events or results "
+                  "(PostgreSQL: pg_locks)" if isinstance(exc, TimeoutError) else queries.what_to_check(exc))
         raise StartupError(f"could not check the [crypto] keys against the journal: {brief(exc)}. Nothing was started; "
-                           f"{queries.what_to_check(exc)}, then start the broker again") from None
+                           f"{advice}, then start the broker again") from None
     try:
         upstream = Upstream(ca_bundle=settings.upstream.ca_bundle, keepalive=settings.upstream.keepalive)
     except (OSError, ssl.SSLError) as exc:

@@ -86,6 +86,7 @@ def _store(ctx: typer.Context, config: Path | None, name: str, verb: str) -> Non
     from . import vault
     from .app import StartupError, prepare_database
     from .crypto import KeyRing
+    from .keychecks import check_keys
 
     # The arguments first: a usage error must not wait for a value typed twice or piped in.
     if ctx.args:
@@ -110,6 +111,8 @@ def _store(ctx: typer.Context, config: Path | None, name: str, verb: str) -> Non
                        "the command where the broker runs, or pass its --config)", err=True)
         if verb == "rotate" and with_engine(settings, lambda engine: vault.latest_version(engine, name), writes=True) is None:
             raise vault.nothing_to_rotate(name)
+        # Whether this key file is the one behind its id, before the value is typed twice.
+        with_engine(settings, lambda engine: check_keys(engine, ring, by=vault.stored_by(verb)), writes=True)
         value = _read_value()
         store = vault.rotate if verb == "rotate" else vault.put
         version = with_engine(settings, lambda engine: store(engine, ring, name, value), writes=True)
@@ -304,7 +307,7 @@ def keys_generate(
 def keys_list(config: ConfigOption = None) -> None:
     """Which key ids the journal's rows are stored under, and whether the configured keys are the
     ones behind their ids. Exit 1 if one is not. Reads every event and result (read-only)."""
-    from .crypto import KeyRing, UnknownKeyId
+    from .crypto import KeyRing, SameKeyTwice, UnknownKeyId
     from .keychecks import Tried, key_usage, opens_check, try_stored
     from .store.reading import reading
 
@@ -312,6 +315,8 @@ def keys_list(config: ConfigOption = None) -> None:
     listed = [key_id for key_id, _ in settings.crypto.entries()]
     try:
         ring: KeyRing | None = KeyRing.from_settings(settings.crypto)
+    except SameKeyTwice as exc:
+        _fail(str(exc), 2)
     except ConfigError as exc:
         ring = None
         typer.echo(f"affidavit: note: the configured keys cannot be read here ({exc}), so whether they are the ones "
@@ -342,21 +347,20 @@ def keys_list(config: ConfigOption = None) -> None:
         if key_id not in listed:
             typer.echo(f"  {key_id}: not configured; nothing stored under it (only its key check)" if use is None or use.empty
                        else f"  {key_id}: NOT configured: {_stored(use)} cannot be read with this configuration; list "
-                       "the key again to read them")
+                       "its key to read them")
             continue
         role = "listed first, encrypts new rows" if key_id == listed[0] else "listed, reads only"
         check = use.check if use is not None else None
-        if check is None and key_id in tried:
-            said = ("no key check yet; the key configured here opens the newest rows stored under it (a broker "
-                    "writes its check at its next start)") if not tried[key_id].refuted else (
-                f"no key check yet, and the key configured here is NOT the key behind '{key_id}': it opens none of "
-                f"the {len(tried[key_id].failed)} newest rows stored under it; brokers with this configuration will "
-                "not start (docs/vault.md, Key checks)")
-            if tried[key_id].refuted:
-                wrong.append(key_id)
+        if check is None and key_id in tried and tried[key_id].refuted:
+            said = (f"no key check yet, and the key configured here is NOT the key behind '{key_id}': it opens none "
+                    f"of the {len(tried[key_id].failed)} newest rows stored under it; brokers with this configuration "
+                    "will not start (docs/vault.md, Key checks)")
+            wrong.append(key_id)
+        elif check is None and key_id in tried and tried[key_id].opened:
+            said = ("no key check yet; the key configured here opens what is stored under it (a broker writes its "
+                    "check at its next start)")
         elif check is None:
-            said = "no key check yet" + (" (the first broker or `secrets set` that encrypts under it writes one)"
-                                         if key_id == listed[0] else "")
+            said = "no key check yet (the next broker to start with it writes one)"
         else:
             written = f"written by {check['created_by']} on {check['created_at']:%Y-%m-%d %H:%M:%S} UTC"
             if ring is None:

@@ -34,6 +34,10 @@ class KeyRingError(ConfigError):
     """A configured key cannot be loaded; the message names the key id and source, never the key."""
 
 
+class SameKeyTwice(KeyRingError):
+    """One key's material listed under two ids."""
+
+
 class DecryptError(Exception):
     """A ciphertext cannot be opened with this ring."""
 
@@ -92,7 +96,14 @@ class KeyRing:
                 text, _version = read_source(source, what=what)
             except CredentialUnavailable as exc:
                 raise KeyRingError(exc.message) from None
-            keys.append((key_id, decode_key(text, what=what)))
+            material = decode_key(text, what=what)
+            for other, known in keys:
+                if known == material:
+                    raise SameKeyTwice(
+                        f"[crypto] keys '{other}' and '{key_id}' are the same key: a key is listed once, under one "
+                        "id (each id is bound in the journal to its key). A new id needs a new key: `affidavit keys "
+                        "generate`")
+            keys.append((key_id, material))
         return cls(keys)
 
     @property

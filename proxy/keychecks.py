@@ -13,6 +13,7 @@ journal from before the checks existed), and the encrypting id gets it even with
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 from collections.abc import AsyncIterator
@@ -26,6 +27,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from .crypto import AuthenticationFailed, KeyRing, event_aad, key_check_aad, result_aad, vault_aad
+from .store.queries import DATABASE_ERRORS, causes
 from .store.reading import reading
 from .store.schema import events, invocations, results
 from .store.vault_schema import key_checks, vault_secrets
@@ -61,6 +63,13 @@ class Tried:
 
     opened: bool = False
     failed: list[str] = field(default_factory=list)
+    #: Rows beyond the newest invocations' were looked for too (None: that look timed out).
+    everywhere: bool | None = False
+
+    @property
+    def nothing_stored(self) -> bool:
+        """No row under the id at all (the whole journal was looked through)."""
+        return self.everywhere is True and not self.failed and not self.opened
 
     @property
     def refuted(self) -> bool:
@@ -84,17 +93,21 @@ async def check_keys(engine: AsyncEngine, ring: KeyRing, *, by: str) -> None:
     for key_id in ring.key_ids:  # all tried before any check is written: a refused start binds nothing
         if key_id not in checks:
             async with reading(engine) as conn:
-                verdicts[key_id] = tried = await try_stored(conn, ring, key_id)
+                verdicts[key_id] = tried = await try_stored(conn, ring, key_id, bounded=True)
             if tried.refuted:
                 raise _refuted(key_id, tried.failed)
     for key_id, tried in verdicts.items():
+        if tried.everywhere is None:
+            log.warning("[crypto] key '%s' has no key check, and no row is stored under it among the %d newest "
+                        "invocations or the vault; the look through older events and results did not finish in time, "
+                        "so its key check is written without comparing this key with them. `affidavit keys list` "
+                        "compares without a time limit", key_id, _RECENT_INVOCATIONS)
         if tried.failed:
             log.warning("[crypto] key '%s' opens the newest rows stored under it but not %d tried before them (%s): "
                         "they were altered, or written by a broker with another key file behind '%s'; its key check "
                         "is written now, binding the id to this key", key_id, len(tried.failed), _shown(tried.failed),
                         key_id)
-        if tried.opened or key_id == ring.encrypting_key_id:
-            await _write_check(engine, ring, key_id, by)
+        await _write_check(engine, ring, key_id, by)  # it opened a row, or there is none to open
 
 
 async def _write_check(engine: AsyncEngine, ring: KeyRing, key_id: str, by: str) -> None:
@@ -120,8 +133,9 @@ def opens_check(ring: KeyRing, row: Any) -> bool:
         return False
 
 
-_LOST_KEY = ("if that key file is lost, take '{key_id}' out of [crypto] keys and list a new key under a new id "
-             "(`affidavit keys generate`): what is stored under '{key_id}' stays unreadable")
+_LOST_KEY = ("if that key file is lost, take '{key_id}' out of [crypto] keys and list a new key first under a new "
+             "id (`affidavit keys generate`), on every broker before any of them stores under it: what is stored "
+             "under '{key_id}' stays unreadable")
 
 
 def _open_check(ring: KeyRing, row: Any) -> None:
@@ -144,8 +158,8 @@ def _refuted(key_id: str, failed: list[str]) -> KeyMismatch:
         f"same id ({_shown(failed)}). Either this is another key file than the one they were encrypted with (then "
         f"what it stored no broker with the right file could read: configure the key file the brokers use for "
         f"'{key_id}'; {_LOST_KEY.format(key_id=key_id)}), or those rows were altered in the database (then no key "
-        f"opens them: make a new key with `affidavit keys generate`, list it first in [crypto] keys, and store the "
-        f"secrets again under it)"
+        f"opens them: take '{key_id}' out of [crypto] keys, list a new key first, made with `affidavit keys "
+        f"generate`, and store the secrets again under it)"
     )
 
 
@@ -153,41 +167,67 @@ def _shown(items: list[str]) -> str:
     return ", ".join(items[:3]) + (" ..." if len(items) > 3 else "")
 
 
-async def try_stored(conn: AsyncConnection, ring: KeyRing, key_id: str) -> Tried:
+async def try_stored(conn: AsyncConnection, ring: KeyRing, key_id: str, *, bounded: bool = False) -> Tried:
     """Try ``ring``'s key under ``key_id`` on the newest rows stored under that id, until one
     opens: events of the newest invocations, then vault versions, then results (their headers:
     a body may be large). One that does not open is not enough to refuse (it may have been
-    altered): any one that opens shows the key is the right one. Bounded: ``events`` has no
-    index on ``key_id``, so only recent invocations' rows are read."""
+    altered): any one that opens shows the key is the right one.
+
+    Only when none of those is under the id are older events and results looked for: ``events``
+    has no index on ``key_id``, so that look reads until it finds some, or the whole table when
+    there are none (once per id: the id is bound after). ``bounded``: a look that runs out of the
+    connection's statement time is given up (``everywhere`` None) rather than raised."""
     tried = Tried()
-    async with aclosing(_stored_under(conn, key_id)) as stored:
-        async for item in stored:
-            try:
-                ring.decrypt(key_id, item.blob, item.aad)
-            except AuthenticationFailed:
-                tried.failed.append(item.what)
-                continue
-            tried.opened = True
-            break
+    for recent_only in (True, False):
+        try:
+            async with aclosing(_stored_under(conn, key_id, recent_only=recent_only)) as stored:
+                async for item in stored:
+                    try:
+                        ring.decrypt(key_id, item.blob, item.aad)
+                    except AuthenticationFailed:
+                        tried.failed.append(item.what)
+                        continue
+                    tried.opened = True
+                    return tried
+        except DATABASE_ERRORS as exc:
+            if recent_only or not bounded or not _timed_out(exc):
+                raise
+            tried.everywhere = None
+            return tried
+        if tried.failed:
+            return tried
+    tried.everywhere = True
     return tried
 
 
-async def _stored_under(conn: AsyncConnection, key_id: str) -> AsyncIterator[_Sealed]:
+def _timed_out(exc: BaseException) -> bool:
+    return any(isinstance(error, (TimeoutError, asyncio.TimeoutError)) or getattr(error, "sqlstate", None) == "57014"
+               for error in causes(exc))
+
+
+async def _stored_under(conn: AsyncConnection, key_id: str, *, recent_only: bool) -> AsyncIterator[_Sealed]:
+    """Ciphertexts under ``key_id``: of the newest invocations and the vault (``recent_only``), or
+    any events and results at all (the rest)."""
     i, e, r_, v = invocations.c, events.c, results.c, vault_secrets.c
-    recent = select(i.invocation_id, i.created_at).order_by(i.created_at.desc()).limit(_RECENT_INVOCATIONS).subquery()
-    newest_first = (recent.c.created_at.desc(), recent.c.invocation_id)
-    for row in (await conn.execute(
-            select(e.invocation_id, e.seq, e.payload).join(recent, recent.c.invocation_id == e.invocation_id)
-            .where(e.key_id == key_id).order_by(*newest_first, e.seq.desc()).limit(_ROWS_TRIED))).mappings().all():
+    if recent_only:
+        recent = select(i.invocation_id, i.created_at).order_by(i.created_at.desc()).limit(_RECENT_INVOCATIONS).subquery()
+        newest_first = (recent.c.created_at.desc(), recent.c.invocation_id)
+        event_rows = (select(e.invocation_id, e.seq, e.payload).join(recent, recent.c.invocation_id == e.invocation_id)
+                      .where(e.key_id == key_id).order_by(*newest_first, e.seq.desc()))
+        result_rows = (select(r_.invocation_id, r_.headers).join(recent, recent.c.invocation_id == r_.invocation_id)
+                       .where(r_.key_id == key_id).order_by(*newest_first))
+    else:
+        event_rows = select(e.invocation_id, e.seq, e.payload).where(e.key_id == key_id)
+        result_rows = select(r_.invocation_id, r_.headers).where(r_.key_id == key_id)
+    for row in (await conn.execute(event_rows.limit(_ROWS_TRIED))).mappings().all():
         yield _Sealed(f"event {row['invocation_id']} #{row['seq']}", bytes(row["payload"]),
                       event_aad(row["invocation_id"], row["seq"]))
-    for row in (await conn.execute(select(vault_secrets).where(v.key_id == key_id)
-                                   .order_by(v.created_at.desc(), v.version.desc()).limit(_ROWS_TRIED))).mappings().all():
-        yield _Sealed(f"vault '{row['name']}' v{row['version']}", bytes(row["ciphertext"]),
-                      vault_aad(row["name"], row["version"]))
-    for row in (await conn.execute(
-            select(r_.invocation_id, r_.headers).join(recent, recent.c.invocation_id == r_.invocation_id)
-            .where(r_.key_id == key_id).order_by(*newest_first).limit(_ROWS_TRIED))).mappings().all():
+    if recent_only:
+        for row in (await conn.execute(select(vault_secrets).where(v.key_id == key_id)
+                                       .order_by(v.created_at.desc(), v.version.desc()).limit(_ROWS_TRIED))).mappings().all():
+            yield _Sealed(f"vault '{row['name']}' v{row['version']}", bytes(row["ciphertext"]),
+                          vault_aad(row["name"], row["version"]))
+    for row in (await conn.execute(result_rows.limit(_ROWS_TRIED))).mappings().all():
         yield _Sealed(f"result of {row['invocation_id']}", _headers_blob(row["headers"]),
                       result_aad(row["invocation_id"], "headers"))
 

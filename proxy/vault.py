@@ -92,7 +92,7 @@ async def _store(engine: AsyncEngine, ring: KeyRing, name: str, value: str, *, m
     check_unlocked(ring, name)
     if not value:
         raise ValueError("an empty value cannot be stored")
-    await check_keys(engine, ring, by=f"`affidavit secrets {'rotate' if must_exist else 'set'}` on {socket.gethostname()}")
+    await check_keys(engine, ring, by=stored_by("rotate" if must_exist else "set"))
     v = vault_secrets.c
     for _ in range(_PUT_ATTEMPTS):
         try:
@@ -111,6 +111,11 @@ async def _store(engine: AsyncEngine, ring: KeyRing, name: str, value: str, *, m
         except IntegrityError:
             continue  # another writer took this version number first; read the new maximum
     raise RuntimeError(f"secret '{name}': {_PUT_ATTEMPTS} concurrent writers raced for the next version; try again")
+
+
+def stored_by(verb: str) -> str:
+    """Who wrote a key check from a ``secrets`` command, as the check records it."""
+    return f"`affidavit secrets {verb}` on {socket.gethostname()}"
 
 
 async def latest_version(engine: AsyncEngine, name: str) -> str | None:

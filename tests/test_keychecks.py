@@ -83,9 +83,9 @@ def test_a_check_written_by_another_writer_between_the_look_and_the_write_is_ope
     original = keychecks.try_stored
 
     async def scenario(engine):
-        async def rival_first(conn, keys, key_id):
+        async def rival_first(conn, keys, key_id, **how):
             await keychecks._write_check(engine, ring(("k1", rival)), key_id, "the rival worker")
-            return await original(conn, keys, key_id)
+            return await original(conn, keys, key_id, **how)
 
         monkeypatch.setattr(keychecks, "try_stored", rival_first)
         try:
@@ -198,10 +198,11 @@ def test_a_broker_or_secrets_set_with_another_key_file_behind_k1_is_refused_and_
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", broker.proxy_port)) != 0, "nothing is left listening"
 
-    stored = broker.command("secrets", "set", "payments-key", input=b"sk_wrong_file_" + os.urandom(8).hex().encode())
-    assert stored.returncode == 2, stored.stderr
-    assert b"the [crypto] key 'k1' configured here is not the key behind 'k1'" in stored.stderr
-    assert stored.stderr.rstrip().endswith(b"nothing was stored"), stored.stderr
+    for value in (b"sk_wrong_file_" + os.urandom(8).hex().encode(), b""):  # refused before the value is read
+        stored = broker.command("secrets", "set", "payments-key", input=value)
+        assert stored.returncode == 2, stored.stderr
+        assert b"the [crypto] key 'k1' configured here is not the key behind 'k1'" in stored.stderr
+        assert stored.stderr.rstrip().endswith(b"nothing was stored"), stored.stderr
     assert rows(url) == before, "neither wrote anything"
 
     _use_key(broker, right)
@@ -350,5 +351,71 @@ def test_keys_list_on_a_journal_from_before_the_checks_tries_the_key_on_the_stor
         assert done.returncode == status, done.stdout + done.stderr
         outputs.append(done.stdout)
     assert "  k1: listed first, encrypts new rows; no key check yet, and the key configured here is NOT the key behind 'k1'" in outputs[0], outputs[0]
-    assert "  k1: listed first, encrypts new rows; no key check yet; the key configured here opens the newest rows" in outputs[1], outputs[1]
+    assert "  k1: listed first, encrypts new rows; no key check yet; the key configured here opens what is stored under it" in outputs[1], outputs[1]
     assert run(db, checks) == [], "keys list writes nothing"
+
+
+def test_rows_under_an_id_older_than_the_newest_invocations_are_still_found_and_tried(db, tmp_path):
+    """A journal from before the checks whose rows under 'k1' are all older than the newest
+    invocations looked at first (k1 listed first again after a rotation, say): another file behind
+    'k1' was bound as if nothing were stored under it, and the right file then refused. The older
+    rows are looked for, and `keys list` tries them too."""
+    k1, k2 = os.urandom(32), os.urandom(32)
+
+    async def scenario(engine):
+        await _rows_from_before_the_checks(engine, k1, "event")
+        for n in range(keychecks._RECENT_INVOCATIONS + 2):  # newer invocations, all under k2
+            await _rows_from_before_the_checks(engine, k2, "event", key_id="k2", version=n + 2)
+        with pytest.raises(KeyMismatch) as refused:
+            await check_keys(engine, ring(("k1", os.urandom(32)), ("k2", k2)), by="a rolled-back config, wrong k1")
+        nothing = await checks(engine)
+        await check_keys(engine, ring(("k1", k1), ("k2", k2)), by="the right files")
+        return refused.value, nothing, await checks(engine)
+
+    error, nothing, bound = run(db, scenario)
+    assert "'k1'" in str(error) and "opens none of the 1 newest row(s)" in str(error), str(error)
+    assert nothing == []
+    assert sorted((r["key_id"], r["created_by"]) for r in bound) == [("k1", "the right files"), ("k2", "the right files")]
+
+
+def test_a_look_through_older_rows_that_runs_out_of_time_binds_the_id_and_says_what_was_not_compared(db, monkeypatch, caplog):
+    """A brand-new key on a large journal: nothing under its id among the newest invocations, and
+    the look through all events takes longer than a statement may. The start goes on (as for a new
+    id), saying so, rather than failing at every start."""
+    original = keychecks._stored_under
+
+    async def slow_everywhere(conn, key_id, *, recent_only):
+        if not recent_only:
+            raise asyncio.TimeoutError()  # what asyncpg raises when a statement outlasts command_timeout
+        async for item in original(conn, key_id, recent_only=recent_only):
+            yield item
+
+    monkeypatch.setattr(keychecks, "_stored_under", slow_everywhere)
+
+    async def scenario(engine):
+        with caplog.at_level(logging.WARNING, logger="affidavit.keys"):
+            await check_keys(engine, ring(("k2", os.urandom(32))), by="a new key")
+        return await checks(engine)
+
+    rows = run(db, scenario)
+    assert [r["key_id"] for r in rows] == ["k2"]
+    assert any("did not finish in time, so its key check is written without comparing" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_one_key_file_listed_under_two_ids_is_refused_at_start(tmp_path):
+    """Both ids would be bound to one key for good, and a "rotation" onto the second would change
+    nothing while every listing said it had."""
+    key = tmp_path / "k.key"
+    key.write_text(generate_key())
+    config = tmp_path / "affidavit.toml"
+    config.write_text(tomli_w.dumps({"database": {"url": f"sqlite+aiosqlite:///{tmp_path / 'j.db'}"},
+                                     "crypto": {"keys": [f"k2=file:{key}", f"k1=file:{key}"]}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AFFIDAVIT_")}
+    for argv in (["run"], ["keys", "list"]):
+        done = subprocess.run([AFFIDAVIT, *argv, "--config", str(config)], capture_output=True, text=True,
+                              timeout=60, cwd=tmp_path, env=env)
+        assert done.returncode == 2, (argv, done.stdout, done.stderr)
+        assert "[crypto] keys 'k2' and 'k1' are the same key" in done.stderr, done.stderr
+        assert key.read_text().strip() not in done.stdout + done.stderr
+    assert not (tmp_path / "j.db").exists(), "nothing was started"
