@@ -112,7 +112,7 @@ def _store(ctx: typer.Context, config: Path | None, name: str, verb: str) -> Non
         if verb == "rotate" and with_engine(settings, lambda engine: vault.latest_version(engine, name), writes=True) is None:
             raise vault.nothing_to_rotate(name)
         # Whether this key file is the one behind its id, before the value is typed twice.
-        with_engine(settings, lambda engine: check_keys(engine, ring, by=vault.stored_by(verb)), writes=True)
+        with_engine(settings, lambda engine: check_keys(engine, ring, by=vault.stored_by(verb), write=False), writes=True)
         value = _read_value()
         store = vault.rotate if verb == "rotate" else vault.put
         version = with_engine(settings, lambda engine: store(engine, ring, name, value), writes=True)
@@ -307,16 +307,13 @@ def keys_generate(
 def keys_list(config: ConfigOption = None) -> None:
     """Which key ids the journal's rows are stored under, and whether the configured keys are the
     ones behind their ids. Exit 1 if one is not. Reads every event and result (read-only)."""
-    from .crypto import KeyRing, SameKeyTwice, UnknownKeyId
+    from .crypto import KeyRing, UnknownKeyId
     from .keychecks import Tried, key_usage, opens_check, try_stored
-    from .store.reading import reading
 
     settings = settings_or_exit(config)
     listed = [key_id for key_id, _ in settings.crypto.entries()]
     try:
         ring: KeyRing | None = KeyRing.from_settings(settings.crypto)
-    except SameKeyTwice as exc:
-        _fail(str(exc), 2)
     except ConfigError as exc:
         ring = None
         typer.echo(f"affidavit: note: the configured keys cannot be read here ({exc}), so whether they are the ones "
@@ -328,8 +325,7 @@ def keys_list(config: ConfigOption = None) -> None:
         for key_id in listed if ring is not None else []:  # no check yet: try the key as a broker's start would
             use = uses.get(key_id)
             if use is not None and use.check is None and not use.empty:
-                async with reading(engine) as conn:
-                    tried[key_id] = await try_stored(conn, ring, key_id)  # type: ignore[arg-type]
+                tried[key_id] = await try_stored(engine, ring, key_id, older=True)  # type: ignore[arg-type]
         return uses, tried
 
     uses, tried = with_engine(settings, survey, scans=True)
@@ -353,8 +349,8 @@ def keys_list(config: ConfigOption = None) -> None:
         check = use.check if use is not None else None
         if check is None and key_id in tried and tried[key_id].refuted:
             said = (f"no key check yet, and the key configured here is NOT the key behind '{key_id}': it opens none "
-                    f"of the {len(tried[key_id].failed)} newest rows stored under it; brokers with this configuration "
-                    "will not start (docs/vault.md, Key checks)")
+                    f"of the {len(tried[key_id].failed)} rows stored under it that it tried; brokers with this "
+                    "configuration will not start (docs/vault.md, Key checks)")
             wrong.append(key_id)
         elif check is None and key_id in tried and tried[key_id].opened:
             said = ("no key check yet; the key configured here opens what is stored under it (a broker writes its "
@@ -380,6 +376,14 @@ def keys_list(config: ConfigOption = None) -> None:
         if key_id != listed[0] and (use is None or use.empty):
             typer.echo(f"      nothing in this journal is stored under '{key_id}': it can go from [crypto] keys (unless "
                        "a backup you may restore holds rows under it); never give its id to another key")
+    for first, second in ring.twins() if ring is not None else []:
+        bound = all(uses.get(k) is not None and uses[k].check is not None for k in (first, second))
+        typer.echo(f"  '{first}' and '{second}' are the same key" + (
+            ": both were bound to it before, so brokers still start; a new key needs a new id and new material"
+            if bound else "; brokers with this configuration will not start (a new id needs a new key: `affidavit "
+            "keys generate`)"))
+        if not bound:
+            wrong.append(second)
     if wrong:
         raise typer.Exit(1)
 

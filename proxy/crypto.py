@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hmac
 import json
 import os
 from collections.abc import Callable
@@ -32,10 +33,6 @@ TAG_BYTES = 16
 
 class KeyRingError(ConfigError):
     """A configured key cannot be loaded; the message names the key id and source, never the key."""
-
-
-class SameKeyTwice(KeyRingError):
-    """One key's material listed under two ids."""
 
 
 class DecryptError(Exception):
@@ -81,6 +78,8 @@ class KeyRing:
         self._keys = {key_id: AESGCM(material) for key_id, material in keys}
         if len(self._keys) != len(self._ids):
             raise KeyRingError("a key id is listed twice in [crypto] keys")
+        self._twins = [(a, b) for n, (a, one) in enumerate(keys) for b, other in keys[n + 1:]
+                       if hmac.compare_digest(one, other)]
 
     @classmethod
     def empty(cls) -> KeyRing:
@@ -96,14 +95,7 @@ class KeyRing:
                 text, _version = read_source(source, what=what)
             except CredentialUnavailable as exc:
                 raise KeyRingError(exc.message) from None
-            material = decode_key(text, what=what)
-            for other, known in keys:
-                if known == material:
-                    raise SameKeyTwice(
-                        f"[crypto] keys '{other}' and '{key_id}' are the same key: a key is listed once, under one "
-                        "id (each id is bound in the journal to its key). A new id needs a new key: `affidavit keys "
-                        "generate`")
-            keys.append((key_id, material))
+            keys.append((key_id, decode_key(text, what=what)))
         return cls(keys)
 
     @property
@@ -113,6 +105,10 @@ class KeyRing:
     @property
     def key_ids(self) -> list[str]:
         return list(self._ids)
+
+    def twins(self) -> list[tuple[str, str]]:
+        """Pairs of ids listed with the same key material."""
+        return list(self._twins)
 
     @property
     def encrypting_key_id(self) -> str | None:

@@ -4,16 +4,14 @@ A key id is only a name in the configuration; the key itself is a file or an env
 variable on each host. Another key file behind the same id (a copied config, a regenerated key)
 would encrypt new rows that no broker with the right file can read, while everything looked
 healthy. So each id has a key check (``key_checks``): a known text sealed with the id's key by the
-first broker or command that encrypted under it. :func:`check_keys` runs before a broker serves
-and before ``secrets set``/``rotate`` store: it opens the check of every listed id that has one;
-an id without one gets it once its key opens one of the newest rows already stored under it (a
-journal from before the checks existed), and the encrypting id gets it even with none stored.
-:func:`key_usage` is what ``affidavit keys list`` shows.
-"""
+first broker or command that used the id. :func:`check_keys` runs before a broker serves and
+before ``secrets set``/``rotate`` store: it opens the check of every listed id that has one, and
+binds every other listed id to its key, once that key opens one of the rows already stored under
+the id (a journal from before the checks existed, migration 0013), or at once when nothing is.
+:func:`key_usage` is what ``affidavit keys list`` shows."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
 from collections.abc import AsyncIterator
@@ -27,10 +25,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from .crypto import AuthenticationFailed, KeyRing, event_aad, key_check_aad, result_aad, vault_aad
-from .store.queries import DATABASE_ERRORS, causes
+from .store.journal import on_engine
 from .store.reading import reading
 from .store.schema import events, invocations, results
-from .store.vault_schema import key_checks, vault_secrets
+from .store.vault_schema import key_checks, key_ids_before_checks, vault_secrets
 
 log = logging.getLogger("affidavit.keys")
 
@@ -58,56 +56,64 @@ class _Sealed:
 
 @dataclass(slots=True)
 class Tried:
-    """What trying a key on the newest rows stored under its id found: whether one opened, and
-    which of those tried before it did not."""
+    """What trying a key on rows stored under its id found: whether one opened, and which of
+    those tried before it did not."""
 
     opened: bool = False
     failed: list[str] = field(default_factory=list)
-    #: Rows beyond the newest invocations' were looked for too (None: that look timed out).
-    everywhere: bool | None = False
-
-    @property
-    def nothing_stored(self) -> bool:
-        """No row under the id at all (the whole journal was looked through)."""
-        return self.everywhere is True and not self.failed and not self.opened
 
     @property
     def refuted(self) -> bool:
-        """Rows are stored under the id and none opens: another key, or every one altered."""
+        """Rows are stored under the id and none of those tried opens: another key, or every one
+        altered."""
         return bool(self.failed) and not self.opened
 
 
-async def check_keys(engine: AsyncEngine, ring: KeyRing, *, by: str) -> None:
+async def check_keys(engine: AsyncEngine, ring: KeyRing, *, by: str, write: bool = True) -> None:
     """Raise :class:`KeyMismatch` if a listed key is not the one behind its id in this journal;
-    otherwise make sure the encrypting id has a key check, and every other listed id with rows
-    under it too (``by`` is recorded as who wrote it). Database errors are raised as they come."""
+    otherwise (``write``) bind every listed id that has no key check yet to its key (``by`` is
+    recorded as who did). Without ``write`` it only checks. Database errors are raised as they come."""
     if not ring.enabled:
         return
     async with reading(engine) as conn:  # on SQLite a plain connection would take the write lock
         checks = {row["key_id"]: row for row in (
             await conn.execute(select(key_checks).where(key_checks.c.key_id.in_(ring.key_ids)))
         ).mappings()}
+        older = set((await conn.execute(select(key_ids_before_checks.c.key_id).where(
+            key_ids_before_checks.c.key_id.in_(ring.key_ids)))).scalars())
     for row in checks.values():
         _open_check(ring, row)
     verdicts: dict[str, Tried] = {}
     for key_id in ring.key_ids:  # all tried before any check is written: a refused start binds nothing
         if key_id not in checks:
-            async with reading(engine) as conn:
-                verdicts[key_id] = tried = await try_stored(conn, ring, key_id, bounded=True)
+            verdicts[key_id] = tried = await try_stored(engine, ring, key_id, older=key_id in older)
             if tried.refuted:
                 raise _refuted(key_id, tried.failed)
+    _same_key_for_a_new_id(ring, checks)
+    if not write:
+        return
     for key_id, tried in verdicts.items():
-        if tried.everywhere is None:
-            log.warning("[crypto] key '%s' has no key check, and no row is stored under it among the %d newest "
-                        "invocations or the vault; the look through older events and results did not finish in time, "
-                        "so its key check is written without comparing this key with them. `affidavit keys list` "
-                        "compares without a time limit", key_id, _RECENT_INVOCATIONS)
         if tried.failed:
-            log.warning("[crypto] key '%s' opens the newest rows stored under it but not %d tried before them (%s): "
-                        "they were altered, or written by a broker with another key file behind '%s'; its key check "
-                        "is written now, binding the id to this key", key_id, len(tried.failed), _shown(tried.failed),
-                        key_id)
+            log.warning("[crypto] key '%s' opens a row stored under it but not %d tried before it (%s): they were "
+                        "altered, or written by a broker with another key file behind '%s'; its key check is written "
+                        "now, binding the id to this key", key_id, len(tried.failed), _shown(tried.failed), key_id)
         await _write_check(engine, ring, key_id, by)  # it opened a row, or there is none to open
+
+
+def _same_key_for_a_new_id(ring: KeyRing, checks: dict[str, Any]) -> None:
+    """One key listed under two ids would bind both to it for good, and a rotation onto the
+    second would change nothing. Refused for an id not bound yet; two ids bound so before the
+    checks existed are only warned of (refusing them would leave no way to read either)."""
+    for first, second in ring.twins():
+        if first in checks and second in checks:
+            log.warning("[crypto] keys '%s' and '%s' are the same key; both were bound to it before, so the broker "
+                        "goes on, but a new key needs a new id and new material (`affidavit keys generate`)",
+                        first, second)
+            continue
+        raise KeyMismatch(
+            f"[crypto] keys '{first}' and '{second}' are the same key: a key is listed once, under one id (each id is "
+            f"bound in the journal to its key, and a rotation onto the other would change nothing). A new id needs "
+            f"a new key: `affidavit keys generate`")
 
 
 async def _write_check(engine: AsyncEngine, ring: KeyRing, key_id: str, by: str) -> None:
@@ -133,8 +139,8 @@ def opens_check(ring: KeyRing, row: Any) -> bool:
         return False
 
 
-_LOST_KEY = ("if that key file is lost, take '{key_id}' out of [crypto] keys and list a new key first under a new "
-             "id (`affidavit keys generate`), on every broker before any of them stores under it: what is stored "
+_LOST_KEY = ("if that key file is lost, take '{key_id}' out of [crypto] keys and list a new key under a new id "
+             "(`affidavit keys generate`) on every broker, as in a key rotation (docs/operations.md): what is stored "
              "under '{key_id}' stays unreadable")
 
 
@@ -154,12 +160,12 @@ def _open_check(ring: KeyRing, row: Any) -> None:
 
 def _refuted(key_id: str, failed: list[str]) -> KeyMismatch:
     return KeyMismatch(
-        f"the [crypto] key '{key_id}' configured here opens none of the {len(failed)} newest row(s) stored under that "
-        f"same id ({_shown(failed)}). Either this is another key file than the one they were encrypted with (then "
-        f"what it stored no broker with the right file could read: configure the key file the brokers use for "
+        f"the [crypto] key '{key_id}' configured here opens none of the {len(failed)} row(s) stored under that same "
+        f"id that it tried ({_shown(failed)}). Either this is another key file than the one they were encrypted with "
+        f"(then what it stored no broker with the right file could read: configure the key file the brokers use for "
         f"'{key_id}'; {_LOST_KEY.format(key_id=key_id)}), or those rows were altered in the database (then no key "
-        f"opens them: take '{key_id}' out of [crypto] keys, list a new key first, made with `affidavit keys "
-        f"generate`, and store the secrets again under it)"
+        f"opens them: take '{key_id}' out of [crypto] keys, list a new key, made with `affidavit keys generate`, as "
+        f"in a key rotation, and store the secrets again under it)"
     )
 
 
@@ -167,42 +173,44 @@ def _shown(items: list[str]) -> str:
     return ", ".join(items[:3]) + (" ..." if len(items) > 3 else "")
 
 
-async def try_stored(conn: AsyncConnection, ring: KeyRing, key_id: str, *, bounded: bool = False) -> Tried:
-    """Try ``ring``'s key under ``key_id`` on the newest rows stored under that id, until one
-    opens: events of the newest invocations, then vault versions, then results (their headers:
-    a body may be large). One that does not open is not enough to refuse (it may have been
-    altered): any one that opens shows the key is the right one.
+async def try_stored(engine: AsyncEngine, ring: KeyRing, key_id: str, *, older: bool) -> Tried:
+    """Try ``ring``'s key under ``key_id`` on rows stored under that id, until one opens: events
+    of the newest invocations, then vault versions, then results (their headers: a body may be
+    large), newest first; then, if none opened and ``older`` (the id had rows when the checks
+    began, migration 0013), any older events and results. One that does not open is not enough
+    to refuse (it may have been altered): any one that opens shows the key is the right one.
 
-    Only when none of those is under the id are older events and results looked for: ``events``
-    has no index on ``key_id``, so that look reads until it finds some, or the whole table when
-    there are none (once per id: the id is bound after). ``bounded``: a look that runs out of the
-    connection's statement time is given up (``everywhere`` None) rather than raised."""
+    Rows written since the checks began are all under ids that were bound first, so an id without
+    a check has older rows only if ``older``: without it the whole tables (no index on
+    ``key_id``) are never read. With it, the read stops at the first rows it finds, with no time
+    limit (such rows exist)."""
     tried = Tried()
-    for recent_only in (True, False):
-        try:
-            async with aclosing(_stored_under(conn, key_id, recent_only=recent_only)) as stored:
-                async for item in stored:
-                    try:
-                        ring.decrypt(key_id, item.blob, item.aad)
-                    except AuthenticationFailed:
-                        tried.failed.append(item.what)
-                        continue
-                    tried.opened = True
-                    return tried
-        except DATABASE_ERRORS as exc:
-            if recent_only or not bounded or not _timed_out(exc):
-                raise
-            tried.everywhere = None
-            return tried
-        if tried.failed:
-            return tried
-    tried.everywhere = True
+    async with reading(engine) as conn:
+        await _try(conn, ring, key_id, tried, recent_only=True)
+    if older and not tried.opened:
+        url = engine.url.render_as_string(hide_password=False)
+        await on_engine(url, lambda unbounded: _try_unbounded(unbounded, ring, key_id, tried), pool_size=1,
+                        unbounded_statements=True)
     return tried
 
 
-def _timed_out(exc: BaseException) -> bool:
-    return any(isinstance(error, (TimeoutError, asyncio.TimeoutError)) or getattr(error, "sqlstate", None) == "57014"
-               for error in causes(exc))
+async def _try_unbounded(engine: AsyncEngine, ring: KeyRing, key_id: str, tried: Tried) -> None:
+    async with reading(engine) as conn:
+        await _try(conn, ring, key_id, tried, recent_only=False)
+
+
+async def _try(conn: AsyncConnection, ring: KeyRing, key_id: str, tried: Tried, *, recent_only: bool) -> None:
+    async with aclosing(_stored_under(conn, key_id, recent_only=recent_only)) as stored:
+        async for item in stored:
+            if item.what in tried.failed:  # the look through older rows meets the newest again
+                continue
+            try:
+                ring.decrypt(key_id, item.blob, item.aad)
+            except AuthenticationFailed:
+                tried.failed.append(item.what)
+                continue
+            tried.opened = True
+            return
 
 
 async def _stored_under(conn: AsyncConnection, key_id: str, *, recent_only: bool) -> AsyncIterator[_Sealed]:

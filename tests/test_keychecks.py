@@ -22,7 +22,7 @@ from proxy import keychecks
 from proxy.keychecks import CHECK_TEXT, KeyMismatch, check_keys
 from proxy.store.journal import on_engine
 from proxy.store.schema import events, invocations, results
-from proxy.store.vault_schema import key_checks, vault_secrets
+from proxy.store.vault_schema import key_checks, key_ids_before_checks, vault_secrets
 from tests.support.broker import AFFIDAVIT
 from tests.support.journal import query
 
@@ -117,14 +117,20 @@ def test_two_writers_with_different_files_racing_for_a_new_id_one_check_wins_and
 
 
 async def _rows_from_before_the_checks(engine, material: bytes, kind: str, *, key_id: str = "k1",
-                                      version: int = 1, altered: bool = False) -> None:
-    """A journal from before migration 0013: one row of ``kind`` (an event, a result, a vault
-    version) encrypted under ``key_id`` (``altered``: its bytes replaced), and no key check."""
+                                      version: int = 1, altered: bool = False, upgraded: bool = True) -> None:
+    """A journal from before migration 0013, as the migration leaves it: one row of ``kind`` (an
+    event, a result, a vault version) encrypted under ``key_id`` (``altered``: its bytes
+    replaced), the id in ``key_ids_before_checks``, and no key check (``upgraded=False``: a
+    journal still at 0012, which has neither table)."""
     keys = ring((key_id, material))
     invocation_id = "inv_" + os.urandom(8).hex()
     now = datetime.now(UTC)
     spoil = (lambda blob: os.urandom(len(blob))) if altered else (lambda blob: blob)
     async with engine.begin() as conn:
+        listed = upgraded and (await conn.execute(
+            select(key_ids_before_checks).where(key_ids_before_checks.c.key_id == key_id))).first() is not None
+        if upgraded and not listed:  # as migration 0013 lists the ids rows are stored under
+            await conn.execute(insert(key_ids_before_checks).values(key_id=key_id))
         await conn.execute(insert(invocations).values(
             invocation_id=invocation_id, created_at=now, updated_at=now, agent="a", route="r", method="GET",
             target="https://x.test/", fingerprint="f", idempotent=True, remote_contract=False, stage="delivered",
@@ -162,7 +168,7 @@ def test_on_a_journal_from_before_the_checks_the_key_must_open_its_newest_rows_b
 
     error, before, after = run(db, scenario)
     assert before == [], "the wrong file wrote no check"
-    assert "opens none of the 1 newest row(s)" in str(error) and "'k1'" in str(error), str(error)
+    assert "opens none of the 1 row(s) stored under that same id that it tried" in str(error) and "'k1'" in str(error), str(error)
     assert [r["created_by"] for r in after] == ["the right file"]
 
 
@@ -304,9 +310,9 @@ def test_on_a_journal_from_before_the_checks_an_altered_newest_row_does_not_refu
         return refused.value, await checks(engine)
 
     error, rows = run(db, scenario)
-    assert "opens none of the 2 newest row(s)" in str(error) and "or those rows were altered" in str(error), str(error)
+    assert "opens none of the 2 row(s) stored under that same id that it tried" in str(error) and "or those rows were altered" in str(error), str(error)
     assert [r["created_by"] for r in rows] == ["the right file"]
-    assert any("opens the newest rows stored under it but not 1 tried before them" in r.getMessage() for r in caplog.records), \
+    assert any("opens a row stored under it but not 1 tried before it" in r.getMessage() for r in caplog.records), \
         [r.getMessage() for r in caplog.records]
 
 
@@ -328,7 +334,7 @@ def test_an_id_that_only_reads_is_bound_too_once_its_key_opens_what_is_stored_un
         return refused.value, nothing, bound, later.value
 
     refused, nothing, bound, later = run(db, scenario)
-    assert "'k1'" in str(refused) and "opens none of the 1 newest row(s)" in str(refused), str(refused)
+    assert "'k1'" in str(refused) and "opens none of the 1 row(s) stored under that same id that it tried" in str(refused), str(refused)
     assert nothing == [], "a refused start binds nothing"
     assert sorted(r["key_id"] for r in bound) == ["k1", "k2"]
     assert "does not open the key check that the rotation wrote" in str(later), str(later)
@@ -373,49 +379,81 @@ def test_rows_under_an_id_older_than_the_newest_invocations_are_still_found_and_
         return refused.value, nothing, await checks(engine)
 
     error, nothing, bound = run(db, scenario)
-    assert "'k1'" in str(error) and "opens none of the 1 newest row(s)" in str(error), str(error)
+    assert "'k1'" in str(error) and "opens none of the 1 row(s) stored under that same id that it tried" in str(error), str(error)
     assert nothing == []
     assert sorted((r["key_id"], r["created_by"]) for r in bound) == [("k1", "the right files"), ("k2", "the right files")]
 
 
-def test_a_look_through_older_rows_that_runs_out_of_time_binds_the_id_and_says_what_was_not_compared(db, monkeypatch, caplog):
-    """A brand-new key on a large journal: nothing under its id among the newest invocations, and
-    the look through all events takes longer than a statement may. The start goes on (as for a new
-    id), saying so, rather than failing at every start."""
-    original = keychecks._stored_under
-
-    async def slow_everywhere(conn, key_id, *, recent_only):
-        if not recent_only:
-            raise asyncio.TimeoutError()  # what asyncpg raises when a statement outlasts command_timeout
-        async for item in original(conn, key_id, recent_only=recent_only):
-            yield item
-
-    monkeypatch.setattr(keychecks, "_stored_under", slow_everywhere)
+def test_an_id_without_rows_from_before_the_checks_is_bound_without_reading_the_tables_through(db, monkeypatch):
+    """A new key (here on a journal that holds rows under another id): nothing can be stored under
+    it, since every row stored since the checks began is under a bound id, so the look through all
+    events and results (no index on their key id) is never made."""
+    def no_full_read(*_args, **_kwargs):
+        raise AssertionError("read the tables through for an id nothing can be stored under")
 
     async def scenario(engine):
-        with caplog.at_level(logging.WARNING, logger="affidavit.keys"):
-            await check_keys(engine, ring(("k2", os.urandom(32))), by="a new key")
+        await _rows_from_before_the_checks(engine, os.urandom(32), "event", key_id="k1")
+        monkeypatch.setattr(keychecks, "_try_unbounded", no_full_read)
+        k2 = os.urandom(32)
+        await check_keys(engine, ring(("k2", k2)), by="a new key")
+        await check_keys(engine, ring(("k2", k2)), by="a second start")
         return await checks(engine)
 
-    rows = run(db, scenario)
-    assert [r["key_id"] for r in rows] == ["k2"]
-    assert any("did not finish in time, so its key check is written without comparing" in r.getMessage()
-               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert [(r["key_id"], r["created_by"]) for r in run(db, scenario)] == [("k2", "a new key")]
 
 
-def test_one_key_file_listed_under_two_ids_is_refused_at_start(tmp_path):
-    """Both ids would be bound to one key for good, and a "rotation" onto the second would change
+def test_one_key_file_listed_under_a_new_id_and_an_old_one_is_refused_at_start(make_broker, tmp_path):
+    """Both ids would be bound to one key for good, and a "rotation" onto the new one would change
     nothing while every listing said it had."""
     key = tmp_path / "k.key"
     key.write_text(generate_key())
-    config = tmp_path / "affidavit.toml"
-    config.write_text(tomli_w.dumps({"database": {"url": f"sqlite+aiosqlite:///{tmp_path / 'j.db'}"},
-                                     "crypto": {"keys": [f"k2=file:{key}", f"k1=file:{key}"]}}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AFFIDAVIT_")}
-    for argv in (["run"], ["keys", "list"]):
-        done = subprocess.run([AFFIDAVIT, *argv, "--config", str(config)], capture_output=True, text=True,
-                              timeout=60, cwd=tmp_path, env=env)
-        assert done.returncode == 2, (argv, done.stdout, done.stderr)
-        assert "[crypto] keys 'k2' and 'k1' are the same key" in done.stderr, done.stderr
-        assert key.read_text().strip() not in done.stdout + done.stderr
-    assert not (tmp_path / "j.db").exists(), "nothing was started"
+    broker = make_broker("sqlite", crypto={"keys": [f"k1=file:{key}"]})
+    broker.stop()
+    broker.config["crypto"] = {"keys": [f"k2=file:{key}", f"k1=file:{key}"]}
+    broker.config_path.write_text(tomli_w.dumps(broker.config))
+    done = subprocess.run([AFFIDAVIT, "run", "--config", str(broker.config_path)], cwd=broker.workdir,
+                          env=broker._env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "affidavit: cannot start: [crypto] keys 'k2' and 'k1' are the same key" in done.stderr, done.stderr[-3000:]
+    listing = broker.command("keys", "list")
+    assert listing.returncode == 1 and b"  'k2' and 'k1' are the same key; brokers with this configuration will not start" in listing.stdout
+    for out in (done.stdout + done.stderr, (listing.stdout + listing.stderr).decode()):
+        assert key.read_text().strip() not in out
+    assert query(broker.database_url, "SELECT key_id FROM key_checks") == [("k1",)], "k2 was not bound"
+
+
+def test_two_ids_bound_to_one_key_before_are_only_warned_of(db, caplog):
+    """Refusing them would leave no way to read what is stored under either."""
+    same = os.urandom(32)
+
+    async def scenario(engine):
+        await check_keys(engine, ring(("k1", same)), by="one config")
+        await check_keys(engine, ring(("k2", same)), by="another config")
+        with caplog.at_level(logging.WARNING, logger="affidavit.keys"):
+            await check_keys(engine, ring(("k2", same), ("k1", same)), by="both")
+        with pytest.raises(KeyMismatch):
+            await check_keys(engine, ring(("k3", same), ("k1", same)), by="a new id on the same key")
+        return await checks(engine)
+
+    rows = run(db, scenario)
+    assert sorted(r["key_id"] for r in rows) == ["k1", "k2"]
+    assert any("'k2' and 'k1' are the same key; both were bound to it before" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_the_upgrade_to_key_checks_lists_the_ids_rows_are_stored_under(request, tmp_path, dialect):
+    from proxy.store import migrate
+    from tests.conftest import database_url
+
+    url = database_url(dialect, tmp_path, request)
+    migrate.upgrade(url, "0012")
+    k1, k3 = os.urandom(32), os.urandom(32)
+
+    async def before(engine):
+        await _rows_from_before_the_checks(engine, k1, "event", key_id="k1", upgraded=False)
+        await _rows_from_before_the_checks(engine, k3, "vault", key_id="k3", upgraded=False)
+
+    run(url, before)
+    migrate.upgrade(url)
+    listed = sorted(r[0] for r in query(url, "SELECT key_id FROM key_ids_before_checks"))
+    assert listed == ["k1", "k3"]

@@ -4,8 +4,13 @@ A key id is a name in the configuration; the key behind it is a file or an envir
 on each host. Another file behind the same id (a copied config, a regenerated key) encrypted new
 rows that no broker with the right file could read, and ``secrets set`` could only notice it where
 vault rows under that id already existed. ``key_checks`` holds, per id, a known text sealed with
-that id's key by the first broker or command that encrypted under it; the others open it before
-they write (proxy.keychecks). Append-only, like the vault.
+that id's key by the first broker or command that used it; the others open it before they write
+(proxy.keychecks). Append-only, like the vault.
+
+``key_ids_before_checks`` lists the ids rows were stored under at this upgrade (one read through
+``events``, ``results`` and ``vault_secrets``, here rather than at every broker's start): such an
+id is bound only once its key opens one of them. Rows stored afterwards are all under ids bound
+first, so for any other id nothing need be read.
 
 Revision ID: 0013
 Revises: 0012
@@ -30,6 +35,17 @@ def upgrade() -> None:
         sa.Column("created_by", sa.String(200), nullable=False),
         sa.PrimaryKeyConstraint("key_id", name="pk_key_checks"),
     )
+    op.create_table(
+        "key_ids_before_checks",
+        sa.Column("key_id", sa.String(64), nullable=False),
+        sa.PrimaryKeyConstraint("key_id", name="pk_key_ids_before_checks"),
+    )
+    op.execute(
+        "INSERT INTO key_ids_before_checks (key_id) "
+        "SELECT key_id FROM events WHERE key_id IS NOT NULL "
+        "UNION SELECT key_id FROM results WHERE key_id IS NOT NULL "
+        "UNION SELECT key_id FROM vault_secrets"
+    )
     if op.get_bind().dialect.name == "postgresql":
         # affidavit_refuse_change() exists since 0002.
         op.execute("CREATE TRIGGER key_checks_append_only BEFORE UPDATE OR DELETE ON key_checks "
@@ -45,4 +61,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    op.drop_table("key_ids_before_checks")
     op.drop_table("key_checks")  # its triggers go with it

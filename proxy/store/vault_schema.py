@@ -51,6 +51,15 @@ key_checks = Table(
     Column("created_by", String(200), nullable=False),
 )
 
+#: The key ids rows were stored under when key checks began (migration 0013 lists them). Every
+#: row stored since is under an id bound first, so an id without a check and not listed here has
+#: nothing stored under it, and no table need be read through to find out.
+key_ids_before_checks = Table(
+    "key_ids_before_checks",
+    metadata,
+    Column("key_id", String(64), primary_key=True),
+)
+
 #: How often a journal writer should record a checkpoint: whichever comes first. Rows written
 #: after the newest checkpoint can be cut off the tail unnoticed, so this bounds that window.
 CHECKPOINT_EVERY_EVENTS = 256
