@@ -377,12 +377,13 @@ def keys_list(config: ConfigOption = None) -> None:
             typer.echo(f"      nothing in this journal is stored under '{key_id}': it can go from [crypto] keys (unless "
                        "a backup you may restore holds rows under it); never give its id to another key")
     for first, second in ring.twins() if ring is not None else []:
-        bound = all(uses.get(k) is not None and uses[k].check is not None for k in (first, second))
+        in_use = all((uses.get(k) is not None and uses[k].check is not None) or (k in tried and tried[k].opened)
+                     for k in (first, second))
         typer.echo(f"  '{first}' and '{second}' are the same key" + (
-            ": both were bound to it before, so brokers still start; a new key needs a new id and new material"
-            if bound else "; brokers with this configuration will not start (a new id needs a new key: `affidavit "
+            ": both were in use with it before, so brokers still start; a new key needs a new id and new material"
+            if in_use else "; brokers with this configuration will not start (a new id needs a new key: `affidavit "
             "keys generate`)"))
-        if not bound:
+        if not in_use:
             wrong.append(second)
     if wrong:
         raise typer.Exit(1)

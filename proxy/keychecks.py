@@ -89,7 +89,7 @@ async def check_keys(engine: AsyncEngine, ring: KeyRing, *, by: str, write: bool
             verdicts[key_id] = tried = await try_stored(engine, ring, key_id, older=key_id in older)
             if tried.refuted:
                 raise _refuted(key_id, tried.failed)
-    _same_key_for_a_new_id(ring, checks)
+    _same_key_for_a_new_id(ring, {*checks, *(key_id for key_id, tried in verdicts.items() if tried.opened)})
     if not write:
         return
     for key_id, tried in verdicts.items():
@@ -100,13 +100,14 @@ async def check_keys(engine: AsyncEngine, ring: KeyRing, *, by: str, write: bool
         await _write_check(engine, ring, key_id, by)  # it opened a row, or there is none to open
 
 
-def _same_key_for_a_new_id(ring: KeyRing, checks: dict[str, Any]) -> None:
+def _same_key_for_a_new_id(ring: KeyRing, established: set[str]) -> None:
     """One key listed under two ids would bind both to it for good, and a rotation onto the
-    second would change nothing. Refused for an id not bound yet; two ids bound so before the
-    checks existed are only warned of (refusing them would leave no way to read either)."""
+    second would change nothing. Refused for a new id; two ids already in use with that key
+    (bound, or with rows it opens) are only warned of: refusing them would leave no way to read
+    either."""
     for first, second in ring.twins():
-        if first in checks and second in checks:
-            log.warning("[crypto] keys '%s' and '%s' are the same key; both were bound to it before, so the broker "
+        if first in established and second in established:
+            log.warning("[crypto] keys '%s' and '%s' are the same key; both were in use with it before, so the broker "
                         "goes on, but a new key needs a new id and new material (`affidavit keys generate`)",
                         first, second)
             continue

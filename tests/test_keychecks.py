@@ -437,7 +437,22 @@ def test_two_ids_bound_to_one_key_before_are_only_warned_of(db, caplog):
 
     rows = run(db, scenario)
     assert sorted(r["key_id"] for r in rows) == ["k1", "k2"]
-    assert any("'k2' and 'k1' are the same key; both were bound to it before" in r.getMessage() for r in caplog.records)
+    assert any("'k2' and 'k1' are the same key; both were in use with it before" in r.getMessage() for r in caplog.records)
+
+
+def test_two_ids_with_rows_under_one_key_from_before_the_checks_are_only_warned_of_and_bound(db, caplog):
+    """An id "renamed" by listing one file twice, before the checks: both hold rows the key opens."""
+    same = os.urandom(32)
+
+    async def scenario(engine):
+        await _rows_from_before_the_checks(engine, same, "event", key_id="k1")
+        await _rows_from_before_the_checks(engine, same, "result", key_id="k2")
+        with caplog.at_level(logging.WARNING, logger="affidavit.keys"):
+            await check_keys(engine, ring(("k2", same), ("k1", same)), by="the renamed id")
+        return await checks(engine)
+
+    assert sorted(r["key_id"] for r in run(db, scenario)) == ["k1", "k2"]
+    assert any("are the same key; both were in use with it before" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
