@@ -308,7 +308,7 @@ def keys_list(config: ConfigOption = None) -> None:
     """Which key ids the journal's rows are stored under, and whether the configured keys are the
     ones behind their ids. Exit 1 if one is not. Reads every event and result (read-only)."""
     from .crypto import KeyRing, UnknownKeyId
-    from .keychecks import Tried, key_usage, opens_check, try_stored
+    from .keychecks import Tried, in_use, key_usage, opens_check, try_stored
 
     settings = settings_or_exit(config)
     listed = [key_id for key_id, _ in settings.crypto.entries()]
@@ -376,14 +376,14 @@ def keys_list(config: ConfigOption = None) -> None:
         if key_id != listed[0] and (use is None or use.empty):
             typer.echo(f"      nothing in this journal is stored under '{key_id}': it can go from [crypto] keys (unless "
                        "a backup you may restore holds rows under it); never give its id to another key")
+    established = in_use((k for k, use in uses.items() if k is not None and use.check is not None), tried)
     for first, second in ring.twins() if ring is not None else []:
-        in_use = all((uses.get(k) is not None and uses[k].check is not None) or (k in tried and tried[k].opened)
-                     for k in (first, second))
+        both = first in established and second in established
         typer.echo(f"  '{first}' and '{second}' are the same key" + (
             ": both were in use with it before, so brokers still start; a new key needs a new id and new material"
-            if in_use else "; brokers with this configuration will not start (a new id needs a new key: `affidavit "
+            if both else "; brokers with this configuration will not start (a new id needs a new key: `affidavit "
             "keys generate`)"))
-        if not in_use:
+        if not both:
             wrong.append(second)
     if wrong:
         raise typer.Exit(1)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import base64
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -89,7 +89,7 @@ async def check_keys(engine: AsyncEngine, ring: KeyRing, *, by: str, write: bool
             verdicts[key_id] = tried = await try_stored(engine, ring, key_id, older=key_id in older)
             if tried.refuted:
                 raise _refuted(key_id, tried.failed)
-    _same_key_for_a_new_id(ring, {*checks, *(key_id for key_id, tried in verdicts.items() if tried.opened)})
+    _same_key_for_a_new_id(ring, in_use(checks, verdicts))
     if not write:
         return
     for key_id, tried in verdicts.items():
@@ -98,6 +98,11 @@ async def check_keys(engine: AsyncEngine, ring: KeyRing, *, by: str, write: bool
                         "altered, or written by a broker with another key file behind '%s'; its key check is written "
                         "now, binding the id to this key", key_id, len(tried.failed), _shown(tried.failed), key_id)
         await _write_check(engine, ring, key_id, by)  # it opened a row, or there is none to open
+
+
+def in_use(checked: Iterable[str], verdicts: dict[str, Tried]) -> set[str]:
+    """The ids already in use with their key: bound (``checked``), or with stored rows it opens."""
+    return {*checked, *(key_id for key_id, tried in verdicts.items() if tried.opened)}
 
 
 def _same_key_for_a_new_id(ring: KeyRing, established: set[str]) -> None:

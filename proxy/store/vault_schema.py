@@ -39,9 +39,9 @@ chain_checkpoints = Table(
 )
 
 #: "The key listed under ``key_id`` is the one that sealed ``sealed``": a known text, AES-GCM under
-#: that key, bound to the id (proxy.keychecks). Written by the first broker or command that
-#: encrypts under the id; every later one opens it before it writes, so another key file behind
-#: the same id is refused instead of storing what the others cannot read.
+#: that key, bound to the id (proxy.keychecks). Written by the first broker or command that uses
+#: the id; every later one opens it before it writes, so another key file behind the same id is
+#: refused instead of storing what the others cannot read.
 key_checks = Table(
     "key_checks",
     metadata,
