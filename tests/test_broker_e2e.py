@@ -480,17 +480,23 @@ def test_another_agents_result_takes_as_long_to_refuse_as_an_id_that_does_not_ex
     with broker.client() as client:
         real = _seen(client.get(f"{PAYMENTS}/h/ok")).headers["affidavit-invocation-id"]
     missing = "act_01M00000000000000000000000"
-    times: dict[str, list[float]] = {real: [], missing: []}
+    ratios = []
     with broker.api(broker.agents["reviewer"].token) as api:
-        for _ in range(60):
-            for invocation_id in (real, missing):
-                started = time.perf_counter()
-                answer = api.get(f"/v1/invocations/{invocation_id}/result")
-                times[invocation_id].append(time.perf_counter() - started)
-                assert answer.status_code == 404, answer.text
-                assert answer.json()["detail"] == f"No invocation {invocation_id!r} is visible to this token."
-    ratio = statistics.median(times[real]) / statistics.median(times[missing])
-    assert 0.75 < ratio < 1.35, f"another agent's id answered in {ratio:.2f}x the time of an unknown one"
+        # Up to three series: a burst of other load can skew one; a real difference (the fast
+        # path's was 3x) shows in every one. Each pair alternates which id goes first.
+        for _ in range(3):
+            times: dict[str, list[float]] = {real: [], missing: []}
+            for n in range(60):
+                for invocation_id in (real, missing) if n % 2 == 0 else (missing, real):
+                    started = time.perf_counter()
+                    answer = api.get(f"/v1/invocations/{invocation_id}/result")
+                    times[invocation_id].append(time.perf_counter() - started)
+                    assert answer.status_code == 404, answer.text
+                    assert answer.json()["detail"] == f"No invocation {invocation_id!r} is visible to this token."
+            ratios.append(statistics.median(times[real]) / statistics.median(times[missing]))
+            if 0.75 < ratios[-1] < 1.35:
+                return
+    pytest.fail(f"another agent's id answered in {', '.join(f'{r:.2f}' for r in ratios)}x the time of an unknown one")
 
 
 def test_side_api_unknown_paths_and_methods_get_problem_documents(broker: BrokerProcess, upstream: HostileUpstream):
