@@ -22,6 +22,7 @@ from .config import ConfigError, load_settings, redact_url
 from .credentials import CredentialUnavailable
 
 if TYPE_CHECKING:
+    from .config import Settings
     from .keychecks import KeyUse
 
 
@@ -281,11 +282,13 @@ def keys_generate(
     key_id = key_id or f"k{datetime.now(UTC):%Y%m%d%H%M%S}"
     if not _KEY_ID.fullmatch(key_id):
         _fail("a key id is 1-64 letters, digits, '_', '.' or '-'", 2)
-    existing = _existing_keys(config)  # an invalid configuration stops here, before a key is written
+    settings = _settings_for_a_key(config)  # an invalid configuration stops here, before a key is written
+    existing = list(settings.crypto.keys)
     if any(entry.partition("=")[0].strip() == key_id for entry in existing):
         _fail(f"the configuration already lists a key '{key_id}': two keys under one id do not load, and another "
               f"file behind '{key_id}' would leave everything stored under the old one unreadable. Choose a new "
               "--id (the default is k<UTC timestamp>); no key was written", 2)
+    _refuse_an_id_the_journal_holds(settings.database.url, key_id)
     path = (out or Path(".affidavit") / "keys" / f"{key_id}.key").absolute()
     try:
         _private_dirs(path.parent)
@@ -410,11 +413,39 @@ def _private_dirs(directory: Path) -> None:
         each.mkdir(mode=0o700)
 
 
-def _existing_keys(config: Path | None) -> list[str]:
-    """The configured key references (not keys), so the printed line keeps them; none without a
-    configuration file. An invalid one is refused (exit 2), as every command that reads it does."""
+def _settings_for_a_key(config: Path | None) -> "Settings":
+    """The configuration, for the key references already listed (not keys: the printed line keeps
+    them) and the journal. An invalid one is refused (exit 2), as every command that reads it does."""
     defaults_notice(config)
     try:
-        return list(load_settings(config).crypto.keys)
+        return load_settings(config)
     except ConfigError as exc:
         _fail(f"{exc}; no key was written", 2)
+
+
+def _refuse_an_id_the_journal_holds(url: str, key_id: str) -> None:
+    """Exit 2 if the journal already binds ``key_id`` to a key (a broker would refuse a new file
+    behind it at start, after the operator had rolled it out). A journal that does not exist yet
+    holds no id; one that cannot be read now is said, and the key is written anyway (making a key
+    needs no database; the brokers' start still checks)."""
+    import asyncio
+
+    from .keychecks import taken
+    from .store import queries
+    from .store.journal import brief, on_engine
+
+    database = sqlite_file(url)
+    if database is not None and not Path(database).is_file():
+        return
+    try:
+        why = asyncio.run(on_engine(url, lambda engine: taken(engine, key_id), pool_size=1))
+    except queries.DATABASE_ERRORS as exc:
+        typer.echo(f"affidavit: note: could not look in the journal ({redact_url(url)}) for the id '{key_id}' "
+                   f"({'it predates key checks: run `affidavit db upgrade`' if queries.schema_missing(exc) else brief(exc)}); "
+                   f"if the journal already holds a key under '{key_id}', brokers will refuse this one at start "
+                   "(`affidavit keys list` shows the ids in use)", err=True)
+        return
+    if why is not None:
+        _fail(f"the journal ({redact_url(url)}) already has a key behind '{key_id}' ({why}), X brokers refuse another key under that id at start, and what is "
+              f"stored under it stays readable only with its own key. Choose a new --id (the default is k<UTC "
+              "timestamp>); no key was written", 2)

@@ -100,6 +100,22 @@ async def check_keys(engine: AsyncEngine, ring: KeyRing, *, by: str, write: bool
         await _write_check(engine, ring, key_id, by)  # it opened a row, or there is none to open
 
 
+async def taken(engine: AsyncEngine, key_id: str) -> str | None:
+    """Why ``key_id`` already stands for a key in this journal (its key check, or rows stored under
+    it before checks existed), said for a message; None when the id is free. Another key under a
+    taken id is refused at every broker's start, so ``keys generate`` asks this before it writes."""
+    async with reading(engine) as conn:
+        check = (await conn.execute(select(key_checks.c.created_by, key_checks.c.created_at)
+                                    .where(key_checks.c.key_id == key_id))).first()
+        older = (await conn.execute(select(key_ids_before_checks.c.key_id)
+                                    .where(key_ids_before_checks.c.key_id == key_id))).first()
+    if check is not None:
+        return f"its key check was written by {check.created_by} on {check.created_at:%Y-%m-%d %H:%M:%S} UTC"
+    if older is not None:
+        return "rows were stored under it before key checks began"
+    return None
+
+
 def in_use(checked: Iterable[str], verdicts: dict[str, Tried]) -> set[str]:
     """The ids already in use with their key: bound (``checked``), or with stored rows it opens."""
     return {*checked, *(key_id for key_id, tried in verdicts.items() if tried.opened)}

@@ -472,3 +472,40 @@ def test_the_upgrade_to_key_checks_lists_the_ids_rows_are_stored_under(request, 
     migrate.upgrade(url)
     listed = sorted(r[0] for r in query(url, "SELECT key_id FROM key_ids_before_checks"))
     assert listed == ["k1", "k3"]
+
+
+def test_keys_generate_refuses_an_id_the_journal_already_holds_though_the_configuration_no_longer_lists_it(db, tmp_path):
+    """An id taken out of [crypto] keys after a rotation is still bound in the journal (or rows from
+    before the checks are stored under it): a new key under it would be written, rolled out, and
+    then refused at every broker's start. Refused before the file is written; a free id is not."""
+    async def scenario(engine):
+        await check_keys(engine, ring(("k1", os.urandom(32))), by="broker one")
+        async with engine.begin() as conn:
+            await conn.execute(insert(key_ids_before_checks).values(key_id="k0"))
+
+    run(db, scenario)
+    config = tmp_path / "affidavit.toml"
+    config.write_text(tomli_w.dumps({"database": {"url": db}, "crypto": {"keys": [f"k2=env:AFFIDAVIT_K2"]}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AFFIDAVIT_")}
+
+    def generate(key_id: str, config_path: Path = config) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([AFFIDAVIT, "keys", "generate", "--id", key_id, "--out", str(tmp_path / f"{key_id}.key"),
+                               "--config", str(config_path)], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+
+    bound, older, free = generate("k1"), generate("k0"), generate("k3")
+    assert bound.returncode == 2, bound.stdout + bound.stderr
+    assert "already has a key behind 'k1' (its key check was written by broker one on " in bound.stderr, bound.stderr
+    assert "no key was written" in bound.stderr and not (tmp_path / "k1.key").exists()
+    assert older.returncode == 2 and "(rows were stored under it before key checks began)" in older.stderr, older.stderr
+    assert not (tmp_path / "k0.key").exists()
+    assert free.returncode == 0 and (tmp_path / "k3.key").exists(), free.stderr
+    assert "could not look" not in free.stderr and "keys = [" in free.stdout
+
+    with socket.socket() as probe:  # a journal that cannot be read now: said, and the key is written
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    away = tmp_path / "away.toml"
+    away.write_text(tomli_w.dumps({"database": {"url": f"postgresql+asyncpg://postgres@127.0.0.1:{port}/none"}}))
+    done = generate("k1", away)
+    assert done.returncode == 0 and (tmp_path / "k1.key").exists(), done.stderr
+    assert "note: could not look in the journal" in done.stderr and "brokers will refuse this one at start" in done.stderr
