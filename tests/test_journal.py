@@ -558,6 +558,8 @@ def test_a_full_or_read_only_journal_says_so_and_what_to_do(db, tmp_path):
         (asyncpg.ReadOnlySQLTransactionError("cannot execute UPDATE in a read-only transaction"), True),
         (asyncpg.InterfaceError("connection is closed"), True),
         (asyncpg.InvalidCachedStatementError("cached statement plan is invalid due to a database schema change"), True),
+        (asyncpg.InternalClientError("cannot switch to state 11; another operation (None) is in progress"), True),
+        (asyncpg.OutdatedSchemaCacheError("cache lookup failed for type 16386"), True),
         (ConnectionResetError("reset by peer"), True),
         (sqlite3.OperationalError("database is locked"), True),  # as the SQLite writer process passes it on
         (asyncpg.InterfaceError("cannot perform operation: another operation is in progress"), False),
@@ -571,6 +573,7 @@ def test_a_full_or_read_only_journal_says_so_and_what_to_do(db, tmp_path):
 )
 def test_the_errors_no_test_database_can_be_made_to_raise_are_classified_too(error: BaseException, away: bool):
     assert queries.unreachable(error) is away
+    assert isinstance(error, queries.DATABASE_ERRORS) or not away, "an outage is caught as the journal's (a 503, not a 500)"
     wrapped = RuntimeError("wrapping")
     wrapped.__cause__ = error
     assert queries.unreachable(wrapped) is away, "the cause counts"

@@ -25,8 +25,8 @@ from .reading import reading
 
 #: What a read of the journal raises when it fails: because the database is away, or because it
 #: answered the query with an error. :func:`unreachable` tells the two apart.
-DATABASE_ERRORS = (SQLAlchemyError, asyncpg.PostgresError, asyncpg.InterfaceError, sqlite3.Error, OSError,
-                   asyncio.TimeoutError)
+DATABASE_ERRORS = (SQLAlchemyError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError,
+                   sqlite3.Error, OSError, asyncio.TimeoutError)
 
 #: PostgreSQL's SQLSTATE classes that mean it cannot serve now, whatever the query: a connection
 #: exception (08), a login refused (28), insufficient resources (53: too many connections, disk
@@ -148,6 +148,10 @@ def _away(error: BaseException) -> bool:
         return str(error).startswith(_ASYNCPG_CLOSED)
     if isinstance(error, asyncpg.InvalidCachedStatementError):
         return True  # prepared before another process changed the schema (a migration): the next try prepares it anew
+    if isinstance(error, asyncpg.InternalClientError):
+        # The driver lost track of its connection's state: seen when the server ends the session
+        # in the middle of a query (an administrator's pg_terminate_backend). A new connection cures it.
+        return True
     if isinstance(error, sqlite3.Error):
         code = getattr(error, "sqlite_errorcode", None)
         if code is not None:
