@@ -783,7 +783,7 @@ def _encodable(value: Any) -> Any:
 
 def not_visible(invocation_id: str) -> ApiError:
     """The one answer for an id that does not exist and for another agent's: ids cannot be probed."""
-    return ApiError(404, "Not Found", f"No invocation {shown(invocation_id, 100)!r} is visible to this token.")
+    return ApiError(404, "Not Found", f"No invocation '{shown(invocation_id, 100)}' is visible to this token.")
 
 
 def _storable(invocation_id: str) -> bool:

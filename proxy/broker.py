@@ -2040,9 +2040,13 @@ def _decodes_further(path: str) -> bool:
 
 
 def shown(text: str, limit: int = 200) -> str:
-    """``text`` for a message: control characters escaped, long values cut."""
-    shown = text.encode("ascii", "backslashreplace").decode("ascii")
+    r"""``text`` for a message: control characters and anything beyond ASCII escaped (as Python
+    writes them: ``\n``, ``\x00``, ``\u20ac``), long values cut."""
+    shown = _ASCII_CONTROL.sub(lambda m: repr(m[0])[1:-1], text.encode("ascii", "backslashreplace").decode("ascii"))
     return shown if len(shown) <= limit else shown[:limit] + "..."
+
+
+_ASCII_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _asks_for_websocket(req: AgentRequest) -> bool:

@@ -459,6 +459,8 @@ def test_side_api_isolates_agents_and_hides_unknown_ids(broker: BrokerProcess, u
     with broker.api() as api:
         assert _seen(api.get("/v1/invocations/act_00000000000000000000000000")).status_code == 404
         assert _seen(api.get("/v1/invocations")).status_code == 403
+        odd = _seen(api.get("/v1/invocations/act_%E2%82%AC%00x"))  # escaped once for the reader, not twice
+        assert odd.status_code == 404 and odd.json()["detail"] == "No invocation 'act_\\u20ac\\x00x' is visible to this token."
     with broker.api("not-a-token") as api:
         assert _seen(api.get(f"/v1/invocations/{invocation_id}")).status_code == 401
     with broker.operator() as api:
