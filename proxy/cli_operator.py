@@ -76,12 +76,13 @@ def settings_or_exit(config: Path | None, *, quiet: bool = False) -> Settings:
 
 
 def ring_of(settings: Settings) -> KeyRing:
-    """The configured key ring (encrypted payloads and results need it to be read)."""
-    try:
-        return KeyRing.from_settings(settings.crypto)
-    except ConfigError as exc:
-        typer.echo(f"affidavit: {exc}", err=True)
-        raise typer.Exit(2) from None
+    """The configured keys that can be read here, for reading encrypted payloads and results. A
+    key that cannot be read (its file is on the brokers' hosts, say) is a note, not a refusal:
+    records stored without it can still be shown, and one stored under it says so when read."""
+    ring, unreadable = KeyRing.for_reading(settings.crypto)
+    for problem in unreadable.values():
+        typer.echo(f"affidavit: note: {problem}; records stored under that key cannot be shown here", err=True)
+    return ring
 
 
 def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]], *, writes: bool = False,
@@ -127,12 +128,16 @@ def with_engine(settings: Settings, work: Callable[[Any], Awaitable[T]], *, writ
                            "read as it is on disk.", err=True)
                 return answer
         from .config import redact_url
-        from .crypto import DecryptError, UnknownKeyId
+        from .crypto import DecryptError, KeyNotReadableHere, UnknownKeyId
         from .store.journal import brief
 
         if isinstance(exc, UnreadableRecord):  # a newer broker wrote it
             typer.echo(f"affidavit: {exc}. Nothing was changed. Run this command from the version of affidavit that "
                        "wrote it, or upgrade this one (docs/operations.md, Upgrading).", err=True)
+            raise typer.Exit(1) from None
+        if isinstance(exc, KeyNotReadableHere):
+            typer.echo(f"affidavit: a record could not be read: {exc}. Nothing was changed. Run the command where the "
+                       "brokers' key files (or variables) are, or make that key readable here.", err=True)
             raise typer.Exit(1) from None
         if isinstance(exc, UnknownKeyId):  # the journal answered; the record is under a key not configured here
             typer.echo(f"affidavit: a record could not be read: {exc}. Nothing was changed. Put the key it was stored "
@@ -255,9 +260,10 @@ def _invocations() -> None:
 def invocations_list(
     config: ConfigOption = None,
     outcome: Annotated[Optional[str], typer.Option(help="not_attempted, rejected, committed, partial_effect, unknown")] = None,
-    route: Optional[str] = None,
-    phase: Optional[str] = None,
-    code: Optional[str] = None,
+    route: Annotated[Optional[str], typer.Option(help="A route name (also one no longer configured).")] = None,
+    phase: Annotated[Optional[str], typer.Option(
+        help="validation, credential_injection, connection_setup, remote_execution, result_delivery")] = None,
+    code: Annotated[Optional[str], typer.Option(help="A code, e.g. REMOTE_OUTCOME_UNKNOWN.")] = None,
     since: Annotated[str, typer.Option(help="Time window, e.g. 1h, 24h, 7d.")] = "24h",
     limit: Annotated[int, typer.Option(min=1, max=500, help="At most this many rows, newest first.")] = 50,
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines instead of a table.")] = False,
@@ -365,7 +371,7 @@ OUTCOMES = ("not_attempted", "rejected", "committed", "unknown", "partial_effect
 def metrics(
     config: ConfigOption = None,
     since: Annotated[str, typer.Option(help="Time window, e.g. 1h, 24h, 7d.")] = "24h",
-    route: Optional[str] = None,
+    route: Annotated[Optional[str], typer.Option(help="Only this route (also one no longer configured).")] = None,
 ) -> None:
     """The phase x outcome table of the invocations ended in a time window (as the
     invocation_outcomes view counts them, from whole hours)."""
@@ -445,8 +451,15 @@ def call_api(settings: Settings, method: str, path: str, body: Any = None, *, fi
                    "configuration (--config)?" + (" Whether the change was made, the record says." if method != "GET" else ""),
                    err=True)
         raise typer.Exit(1)
+    if status >= 400 and not (isinstance(answer, dict) and "detail" in answer):
+        text = " ".join(str(answer).split())
+        typer.echo(f"affidavit: the server at {api.base_url} answered {status}, but not as an Affidavit side API does "
+                   f"(no problem document; it began: {text[:120]!r}{'...' if len(text) > 120 else ''}): is api.listen "
+                   "in this configuration the broker's side API, and is it this broker's configuration (--config)?"
+                   + (" Whether the change was made, the record says." if method != "GET" else ""), err=True)
+        raise typer.Exit(1)
     if status >= 400:
-        detail = answer.get("detail") if isinstance(answer, dict) else answer
+        detail = answer["detail"]
         if isinstance(detail, list):  # a 422's problems, one per field: never their input (a long note, say)
             detail = "; ".join(
                 f"{'.'.join(str(part) for part in item.get('loc', [])[1:]) or 'the request'}: {item.get('msg', item)}"

@@ -175,7 +175,7 @@ def audit_verify(
         Optional[Path], typer.Option("--checkpoints", help="An earlier export whose checkpoints must also hold (kept off the database host).")
     ] = None,
 ) -> None:
-    """Check the hash chains offline, over the stored ciphertext, without any key. Exit 1 if broken."""
+    """Check the hash chains offline, over the stored bytes, without any key. Exit 1 if broken."""
     from . import audit
 
     if database is not None and dump is not None:
@@ -345,7 +345,7 @@ def keys_list(config: ConfigOption = None) -> None:
             continue
         if key_id not in listed:
             typer.echo(f"  {key_id}: not configured; nothing stored under it (only its key check)" if use is None or use.empty
-                       else f"  {key_id}: NOT configured: {_stored(use)} cannot be read with this configuration; list "
+                       else f"  {key_id}: NOT configured: what is stored under it ({_stored(use)}) cannot be read with this configuration; list "
                        "its key to read them")
             continue
         role = "listed first, encrypts new rows" if key_id == listed[0] else "listed, reads only"

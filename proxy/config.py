@@ -119,6 +119,8 @@ _LISTEN_HOST = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?\
 
 def parse_listen(value: str) -> tuple[str, int]:
     host, sep, port = str(value).rpartition(":")
+    if sep and _LISTEN_HOST.fullmatch(host) and port.isascii() and port.isdigit() and not 1 <= int(port) <= 65535:
+        raise ValueError(f"{value!r}: port {int(port)} is out of range (1 to 65535)")
     if not sep or not _LISTEN_HOST.fullmatch(host) or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         # An empty host ('[]:8080') would bind every interface: that must be said, as 0.0.0.0 or [::].
         raise ValueError(f"{value!r} is not host:port, e.g. '127.0.0.1:8080' or '[::1]:8080' (every interface: "
@@ -262,6 +264,9 @@ _KEY_ENTRY = re.compile(r"^([A-Za-z0-9_.-]{1,64})=((?:env|file):.+)$")
 
 def _check_key_entry(value: str) -> str:
     if not isinstance(value, str) or not _KEY_ENTRY.match(value):
+        key_id, sep, source = value.partition("=") if isinstance(value, str) else ("", "", "")
+        if sep and re.match(r"^(?:env|file):.+$", source) and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", key_id):
+            raise ValueError(f"the key id {key_id[:70]!r} is not 1 to 64 letters, digits, '_', '.' or '-'")
         raise ValueError("each key is 'ID=env:NAME' or 'ID=file:/path' (the source holds 32 random bytes, base64)")
     return value
 
@@ -435,6 +440,14 @@ class Route(_Section):
     #: connection for every request, closed after its answer, for an upstream that does not keep
     #: HTTP/1.1's framing (it answers without reading a body, or sends bytes nobody asked for).
     reuse_connections: Flag = True
+
+    @field_validator("agents")
+    @classmethod
+    def _someone(cls, agents: list[str]) -> list[str]:
+        if not agents:
+            raise ValueError("list at least one agent (the names of [[agents]] that may use this route): a route no "
+                             "agent may use matches nothing")
+        return agents
 
     @field_validator("methods")
     @classmethod

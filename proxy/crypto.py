@@ -43,6 +43,11 @@ class UnknownKeyId(DecryptError):
     """The ciphertext names a key id that is not in ``[crypto] keys`` (removed, or never there)."""
 
 
+class KeyNotReadableHere(UnknownKeyId):
+    """The ciphertext's key id is listed, but its key could not be read here (a command run on
+    a host without the brokers' key file, say)."""
+
+
 class AuthenticationFailed(DecryptError):
     """The key is known but the ciphertext, its AAD or the key behind that id does not match."""
 
@@ -70,10 +75,20 @@ def decode_key(text: str, *, what: str) -> bytes:
     raise KeyRingError(f"{what} is not base64; create a key with `affidavit keys generate`.")
 
 
+def _read_key(key_id: str, source: str) -> bytes:
+    what = f"[crypto] key '{key_id}' ({source})"
+    try:
+        text, _version = read_source(source, what=what)
+    except CredentialUnavailable as exc:
+        raise KeyRingError(exc.message) from None
+    return decode_key(text, what=what)
+
+
 class KeyRing:
     """Named AES-GCM keys; the first encrypts. An empty ring means encryption is off."""
 
-    def __init__(self, keys: list[tuple[str, bytes]]):
+    def __init__(self, keys: list[tuple[str, bytes]], *, unreadable: dict[str, str] | None = None):
+        self._unreadable = dict(unreadable or {})  # listed, but not readable here: id -> why
         self._ids = [key_id for key_id, _ in keys]
         self._keys = {key_id: AESGCM(material) for key_id, material in keys}
         if len(self._keys) != len(self._ids):
@@ -88,15 +103,20 @@ class KeyRing:
     @classmethod
     def from_settings(cls, crypto: CryptoSection) -> KeyRing:
         """Read every ``ID=env:NAME`` / ``ID=file:/path`` source now, so a bad key fails at start."""
-        keys = []
+        return cls([(key_id, _read_key(key_id, source)) for key_id, source in crypto.entries()])
+
+    @classmethod
+    def for_reading(cls, crypto: CryptoSection) -> tuple[KeyRing, dict[str, str]]:
+        """For a command that only reads: the keys that can be read here, and why each other one
+        cannot (id -> message). Rows under a readable key, or under none, can still be shown;
+        one under an unreadable key raises :class:`KeyNotReadableHere` when it is opened."""
+        keys, unreadable = [], {}
         for key_id, source in crypto.entries():
-            what = f"[crypto] key '{key_id}' ({source})"
             try:
-                text, _version = read_source(source, what=what)
-            except CredentialUnavailable as exc:
-                raise KeyRingError(exc.message) from None
-            keys.append((key_id, decode_key(text, what=what)))
-        return cls(keys)
+                keys.append((key_id, _read_key(key_id, source)))
+            except KeyRingError as exc:
+                unreadable[key_id] = str(exc)
+        return cls(keys, unreadable=unreadable), unreadable
 
     @property
     def enabled(self) -> bool:
@@ -130,6 +150,9 @@ class KeyRing:
 
     def decrypt(self, key_id: str, blob: bytes, aad: bytes) -> bytes:
         key = self._keys.get(key_id)
+        if key is None and key_id in self._unreadable:
+            raise KeyNotReadableHere(f"stored under key '{key_id}', which is listed in [crypto] keys but cannot be read "
+                                     f"here: {self._unreadable[key_id]}")
         if key is None:
             listed = ", ".join(self._ids) or "none"
             raise UnknownKeyId(f"stored under key '{key_id}', which is not in [crypto] keys (listed: {listed})")

@@ -89,7 +89,7 @@ def test_the_environment_overrides_the_file(tmp_path, monkeypatch):
         (('url = "sqlite+aiosqlite:///{db}"', 'url = "sqlite+aiosqlite:///file::memory:?cache=shared&uri=true"'), "database.url", "in-memory SQLite"),
         (('methods = ["post"]', 'methods = ["FOO BAR"]'), "routes[0].methods", "not a valid HTTP token"),
         (('host = "api.payments.test"', 'host = "*.a b"'), "routes[0].host", "must be an exact host name"),
-        (('listen = "127.0.0.1:{port}"', 'listen = "127.0.0.1:0"'), "proxy.listen", "host:port"),
+        (('listen = "127.0.0.1:{port}"', 'listen = "127.0.0.1:0"'), "proxy.listen", "port 0 is out of range (1 to 65535)"),
         (('header = "Authorization", value', 'header = "Bad Header:", value'), "routes[0].inject.header", "not a valid HTTP token"),
         (('header = "Authorization", value', 'header = "", value'), "routes[0].inject.header", "not a valid HTTP token"),
         (('header = "Idempotency-Key", scope', 'header = "Idem Key", scope'), "routes[0].idempotency.header", "not a valid HTTP token"),
@@ -97,6 +97,8 @@ def test_the_environment_overrides_the_file(tmp_path, monkeypatch):
         # Found by a probe: each of these was accepted, and each misbehaved once the broker ran.
         (('listen = "127.0.0.1:{port}"', 'listen = "[]:{port}"'), "proxy.listen", "every interface: '0.0.0.0:8080'"),
         (('listen = "127.0.0.1:{port}"', 'listen = "a b:{port}"'), "proxy.listen", "is not host:port"),
+        (('listen = "127.0.0.1:{port}"', 'listen = "127.0.0.1:99999"'), "proxy.listen", "port 99999 is out of range (1 to 65535)"),
+        (('agents = ["builder"]', 'agents = []'), "routes[0].agents", "list at least one agent"),
         (('listen = "127.0.0.1:{port}"', 'listen = "127.0.0.1:{port}"\nidempotency_header = "Proxy-Authorization"'),
          "proxy.idempotency_header", "a header the broker itself reads, sets or drops"),
         (('header = "Authorization", value', 'header = "Connection", value'), "routes[0].inject.header", "cannot carry a key or a credential"),
@@ -1048,3 +1050,17 @@ def test_a_sqlite_journal_the_broker_cannot_write_stops_the_start_and_says_why(t
     assert f"affidavit: cannot start: database.url {url}: {said}. Nothing was started; give this user write access" in done.stderr, done.stderr
     assert "proxy listening" not in done.stdout and "Traceback" not in done.stderr
     assert journal != "none yet, in a directory it cannot write" or not list(directory.iterdir()), "nothing was created"
+
+
+@pytest.mark.parametrize(("entry", "said"), [
+    ("k 1=env:X", "the key id 'k 1' is not 1 to 64 letters, digits, '_', '.' or '-'"),
+    ("k" * 65 + "=file:/k", "is not 1 to 64 letters"),
+    ("k1=vault:X", "each key is 'ID=env:NAME' or 'ID=file:/path'"),
+    ("k1", "each key is 'ID=env:NAME' or 'ID=file:/path'"),
+])
+def test_a_key_entry_that_is_refused_says_whether_the_id_or_the_source_is_wrong(tmp_path, monkeypatch, entry, said):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AFFIDAVIT_CRYPTO__KEYS", f'["{entry}"]')
+    with pytest.raises(ConfigError) as refused:
+        load_settings()
+    assert said in str(refused.value), str(refused.value)

@@ -132,6 +132,14 @@ def test_records_under_a_dropped_key_get_clear_answers_not_bare_500s(make_broker
     err = shown.stderr.decode()
     assert shown.returncode == 1 and "altered or moved, or the key behind that id" in err and "audit verify" in err, err
     assert "back in [crypto] keys" not in err
+    elsewhere = {**broker.config, "crypto": {"keys": [f"k2=file:{other}", f"k1=file:{tmp_path / 'not-on-this-host.key'}"]}}
+    (tmp_path / "elsewhere.toml").write_text(__import__("tomli_w").dumps(elsewhere))
+    shown = subprocess.run([AFFIDAVIT, "invocations", "show", invocation_id, "-c", str(tmp_path / "elsewhere.toml")],
+                           cwd=broker.workdir, env=broker._env(), capture_output=True, timeout=60)
+    err = shown.stderr.decode()
+    assert shown.returncode == 1 and "note: [crypto] key 'k1'" in err, err  # the key file is on another host
+    assert "stored under key 'k1', which is listed in [crypto] keys but cannot be read here" in err, err
+    assert "Run the command where the brokers' key files" in err and "back in [crypto] keys" not in err, err
     sent = len(upstream.received)
     with broker.client() as client:
         again = client.post("https://vaulted.example.test/h/ok", content=b"{}", headers={"Idempotency-Key": key})
@@ -203,3 +211,26 @@ def test_a_vault_that_cannot_be_read_is_a_credential_failure_and_the_record_ends
     assert record["caller_disposition"] == "completed", record
     assert upstream.received == [], "nothing was sent"
     assert "the vault could not be read" in broker.logs() and VAULT_CANARY not in broker.logs()
+
+
+def test_a_key_file_not_readable_here_does_not_stop_commands_from_showing_what_is_stored_without_it(make_broker, upstream, tmp_path):
+    """An operator's host without the brokers' key file: `invocations show`/`result` of a record
+    stored unencrypted still work (with a note), as `invocations list` and `metrics` do. Before,
+    both refused with exit 2 whatever the record."""
+    broker = make_broker("sqlite")
+    with broker.client() as client:
+        ok = client.get("https://api.payments.test/h/ok")
+    assert ok.status_code == 200, ok.text
+    invocation_id = ok.headers["affidavit-invocation-id"]
+    broker.wait_for(invocation_id, lambda r: r["stage"] == "delivered")
+    config = {**broker.config, "crypto": {"keys": [f"k1=file:{tmp_path / 'on-the-brokers-host.key'}"]}}
+    (tmp_path / "reader.toml").write_text(__import__("tomli_w").dumps(config))
+    for args in (("invocations", "show", invocation_id), ("invocations", "result", invocation_id)):
+        done = subprocess.run([AFFIDAVIT, *args, "-c", str(tmp_path / "reader.toml")], cwd=broker.workdir,
+                              env=broker._env(), capture_output=True, timeout=60)
+        err = done.stderr.decode()
+        assert done.returncode == 0, (args, err)
+        assert "note: [crypto] key 'k1' (file:" in err and "records stored under that key cannot be shown here" in err, err
+    assert invocation_id.encode() in subprocess.run(
+        [AFFIDAVIT, "invocations", "show", invocation_id, "-c", str(tmp_path / "reader.toml")], cwd=broker.workdir,
+        env=broker._env(), capture_output=True, timeout=60).stdout

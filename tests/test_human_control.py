@@ -133,11 +133,13 @@ def test_a_reconciliation_cannot_claim_not_attempted_or_touch_an_undispatched_re
 class _NotTheSideAPI(http.server.BaseHTTPRequestHandler):
     """Some other HTTP server, where api.listen points by mistake: JSON, but not the side API's."""
 
+    status, content_type, body = 200, "application/json", b'{"hello": "world"}'
+
     def _answer(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        body = b'{"hello": "world"}'
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
+        body = self.body
+        self.send_response(self.status)
+        self.send_header("Content-Type", self.content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -148,12 +150,21 @@ class _NotTheSideAPI(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class _NotTheSideAPIAt404(_NotTheSideAPI):
+    """A web server's own 404 page: it was printed whole, as "404 from the broker at ..."."""
+
+    status, content_type = 404, "text/html"
+    body = b"<html><head><title>404 Not Found</title></head><body>" + b"<p>nothing here</p>" * 200 + b"</body></html>"
+
+
+@pytest.mark.parametrize("handler", [_NotTheSideAPI, _NotTheSideAPIAt404], ids=["200", "404"])
 @pytest.mark.parametrize("args", [("approvals", "list"), ("approvals", "approve", "act_01M983Q3E5X3V5MXXTEZ5M3DQA"),
                                   ("reconcile", "act_01M983Q3E5X3V5MXXTEZ5M3DQA", "--outcome", "committed")],
                          ids=["list", "approve", "reconcile"])
-def test_the_cli_says_when_api_listen_is_not_an_affidavit_side_api(broker, args):
-    """It printed a traceback (KeyError: 'items', 'stage', 'outcome')."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotTheSideAPI)
+def test_the_cli_says_when_api_listen_is_not_an_affidavit_side_api(broker, args, handler):
+    """It printed a traceback (KeyError: 'items', 'stage', 'outcome'), or another server's whole
+    error page as the broker's answer."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         done = broker.command(*args, env={"AFFIDAVIT_API__LISTEN": f"127.0.0.1:{server.server_address[1]}"})
@@ -161,8 +172,9 @@ def test_the_cli_says_when_api_listen_is_not_an_affidavit_side_api(broker, args)
         server.shutdown()
         server.server_close()
     said = done.stderr.decode()
-    assert done.returncode == 1 and "answered 200, but not as an Affidavit side API does" in said, said
+    assert done.returncode == 1 and f"answered {handler.status}, but not as an Affidavit side API does" in said, said
     assert "is api.listen in this configuration the broker's side API" in said and "Traceback" not in said, said
+    assert "from the broker at" not in said and said.count("nothing here") < 10, said
 
 
 def test_a_decision_the_broker_does_not_answer_in_time_says_it_may_still_be_made(monkeypatch, capsys):
