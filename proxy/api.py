@@ -536,8 +536,13 @@ def create_app(
     async def get_invocation(invocation_id: str, who: Annotated[Principal, Depends(principal)]) -> dict[str, Any]:
         row = await visible(invocation_id, who)
         rows, events = await queries.events_of(engine, invocation_id, journal.decode_payload)
-        owner = await queries.holder(engine, row, stale_after) if who.operator else None
-        return describe(row, events, operator=who.operator, event_times={r["seq"]: r["at"] for r in rows}, owner=owner)
+        owner = await queries.holder(engine, row, stale_after)
+        return describe(row, events, operator=who.operator, event_times={r["seq"]: r["at"] for r in rows}, owner=owner,
+                        holder_gone=gone(owner))
+
+    def gone(owner: dict[str, Any] | None) -> bool:
+        """Whether the broker holding an in-flight record has stopped (see :func:`describe`)."""
+        return owner is not None and (owner["stale"] is True or (broker is not None and broker.earlier_self(owner["broker"])))
 
     @app.get(
         "/v1/invocations/{invocation_id}/result",
@@ -604,7 +609,8 @@ def create_app(
         assert row is not None
         rows, events = await queries.events_of(engine, invocation_id, journal.decode_payload)
         owner = await queries.holder(engine, row, stale_after)
-        return describe(row, events, operator=True, event_times={r["seq"]: r["at"] for r in rows}, owner=owner)
+        return describe(row, events, operator=True, event_times={r["seq"]: r["at"] for r in rows}, owner=owner,
+                        holder_gone=gone(owner))
 
     @app.post("/v1/invocations/{invocation_id}/reconcile", tags=["operators"],
               summary="Append what is known about the effect (operator); the original record stays",

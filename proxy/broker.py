@@ -991,6 +991,13 @@ class Broker:
             f"Invocation {row['invocation_id']} is being retried elsewhere. Nothing was sent. Ask again later.",
         )
 
+    def earlier_self(self, holder: str) -> bool:
+        """Whether ``holder`` is an earlier incarnation of this broker, and so dead (this one holds
+        its port), however fresh its last heartbeat; any other holder is alive until its
+        heartbeat goes stale."""
+        return (holder != self.owner and holder.rpartition("/")[0] == self.owner.rpartition("/")[0]
+                and self.earlier_incarnation_dead(holder))
+
     async def _repeat_held(
         self, row: dict[str, Any], record: Record, req: AgentRequest, route: Route, request_fingerprint: str, key: str
     ) -> Reply:
@@ -1003,10 +1010,7 @@ class Broker:
                 request_fingerprint,
             )
         holder = row["owner"] or ""
-        # An earlier incarnation of this broker is dead (this one holds its port), however fresh
-        # its last heartbeat; any other holder is alive until its heartbeat goes stale.
-        earlier_self = (holder != self.owner and holder.rpartition("/")[0] == self.owner.rpartition("/")[0]
-                        and self.earlier_incarnation_dead(holder))
+        earlier_self = self.earlier_self(holder)
         holder_alive = not earlier_self and await self._read(
             leases.owner_alive(self.journal.engine, holder, self.settings.recovery.stale_after))
         now = utcnow()
@@ -1241,11 +1245,9 @@ class Broker:
                 # approvals survive restarts), not ended as the caller's leaving; a caller still
                 # connected is told so at once, rather than cut without an answer at the end of
                 # the stop's wait.
-                log.info("invocation %s: the broker stops while it is held for approval; it stays held",
-                         entry.invocation_id)
-                if req.caller_gone.is_set():
-                    return Reply(499, [], b"", entry.invocation_id)
                 if not resumable:  # no key of the agent's names it: no repeat could take it over
+                    log.info("invocation %s: the broker stops while it is held for approval; without a key of the "
+                             "agent's own no repeat can take it over, so it ends (APPROVAL_REQUIRED)", entry.invocation_id)
                     return await self._refuse(
                         entry, Phase.VALIDATION, Code.APPROVAL_REQUIRED,
                         "The broker is stopping (a restart or a scale-down) while this request was held for an "
@@ -1253,6 +1255,10 @@ class Broker:
                         "hold cannot be taken over by a repeat, so it ends here and its card is withdrawn. Send the "
                         "request again to a running broker (with an Idempotency-Key, a held request survives a restart).",
                     )
+                log.info("invocation %s: the broker stops while it is held for approval; it stays held for the agent's "
+                         "repeat with its key", entry.invocation_id)
+                if req.caller_gone.is_set():
+                    return Reply(499, [], b"", entry.invocation_id)
                 return self._held_at_stop(entry)
             if req.caller_gone.is_set():
                 entry.append(EventKind.CALLER_CANCELLED, disposition=req.left_as.value)
@@ -1470,6 +1476,8 @@ class Broker:
         message = settled.message or _message(code, record.outcome)
         if settled.message is _STOPPING or settled.message is _OUT_OF_FILES:
             message = _message(code, record.outcome, settled.message)
+        if retry is Retry.AFTER_CORRECTION:  # this attempt used the key's last: "retrying later" is not safe with it
+            message = _RETRYING_IS_SAFE.sub(_BUDGET_USED, message)
         return self._envelope_reply(entry, code, record.phase, record.outcome, retry, message)
 
     async def _close_when_journal_returns(self, refused: InvocationLog, *, answered: bool = True) -> None:
@@ -2192,6 +2200,11 @@ def _provisional_end(entry: InvocationLog, recording: bool) -> tuple[Outcome, Re
     return record.outcome, retry
 
 
+#: What a failure before dispatch says of trying again, and what it says instead once the attempt
+#: used the last of its key's retry budget (a repeat with that key is then refused).
+_RETRYING_IS_SAFE = re.compile(r"Retrying (?:later|in a moment) is safe")
+_BUDGET_USED = ("This attempt used the last of its Idempotency-Key's retry budget, so a repeat with that key is refused; "
+                "once the cause is fixed, send it as a new operation with a new key")
 _RETRY_LATER = " Retrying later is safe; if it persists, an operator should check the route's host, port or connect_to."
 _STOPPING = ("The broker is stopping (a restart or a scale-down), so it did not send this request. Nothing was sent. "
              "Retrying in a moment is safe (another broker, or this one once it is back, takes it).")

@@ -316,7 +316,8 @@ def invocations_show(invocation_id: InvocationId, config: ConfigOption = None) -
             return None
         rows, events = await queries.events_of(engine, invocation_id, payload_decoder(ring_of(settings)))
         owner = await queries.holder(engine, row, settings.recovery.stale_after)
-        return describe(row, events, operator=True, event_times={r["seq"]: r["at"] for r in rows}, owner=owner)
+        return describe(row, events, operator=True, event_times={r["seq"]: r["at"] for r in rows}, owner=owner,
+                        holder_gone=owner is not None and owner["stale"] is True)
 
     view = with_engine(settings, read)
     if view is None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from .contract import Event, EventKind, Operation, Record, decide, project, retry_hint
+from .contract import Event, EventKind, NextAction, Operation, Record, Stage, decide, project, retry_hint
 
 #: Event fields shown to operators only: library diagnostics are internal.
 _INTERNAL = frozenset({"diagnostic"})
+#: Stages of a request waiting for an operator's decision, or for its holder to send it once approved.
+_HELD = frozenset({Stage.HELD, Stage.APPROVED})
 
 
 def iso(value: Any) -> str | None:
@@ -71,14 +73,20 @@ def describe(
     operator: bool = False,
     event_times: dict[int, Any] | None = None,
     owner: dict[str, Any] | None = None,
+    holder_gone: bool = False,
 ) -> dict[str, Any]:
     """The record as the side API and the CLI show it. ``owner`` (:func:`owner_view`), for an
-    operator's view of a record still in flight."""
+    operator's view of a record still in flight. ``holder_gone``: the broker that holds it has
+    stopped (its heartbeat is stale, or it is an earlier incarnation of the broker asking)."""
     now = now or datetime.now(UTC)
     record: Record = project(events)
     operation = operation_of(row)
     retry = retry_hint(record, operation, retention_open=may_resend(row, now), budget_left=budget_left(row))
     next_action = decide(record, retry, operation, row["fingerprint"])
+    if next_action is NextAction.WAIT and holder_gone and record.stage in _HELD and row.get("idempotency_key"):
+        # Held for (or given) an approval by a broker that has stopped: nothing moves until the
+        # agent repeats it with its key, which a running broker takes over (docs/control.md).
+        next_action = NextAction.RETRY_SAME_KEY
     complete = next((e for e in reversed(events) if e.kind is EventKind.REMOTE_RESPONSE_COMPLETE), None)
     evidence: dict[str, Any] = {
         "dispatch": record.dispatch.value,

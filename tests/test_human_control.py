@@ -739,8 +739,12 @@ def test_a_stop_leaves_a_held_request_held_and_does_not_log_it_ended(make_broker
              if e.get("msg") == "invocation ended" and e.get("invocation_id") == card["invocation_id"]]
     assert ended == [], ended
     broker.start()
-    record = broker.invocation(card["invocation_id"])
+    record = broker.invocation(card["invocation_id"])  # the agent's own view
     assert (record["stage"], record["caller_disposition"]) == ("held", "waiting"), record
+    if not workers:  # the restarted broker knows its earlier incarnation is gone (a worker, only its own)
+        # Nothing moves until the agent repeats it with its key: not "wait", which an agent's
+        # client would follow until it gave up.
+        assert record["next_action"] == "retry_same_key", record
     assert [c["invocation_id"] for c in wait_for_card_list(broker)] == [card["invocation_id"]]
     assert sent(upstream) == []
 
@@ -768,6 +772,10 @@ def test_a_card_whose_broker_stopped_says_no_caller_waits_on_it(make_broker, ups
     assert "gone (approval waits for a repeat)" in " ".join(listing.split()), listing
     approved = cli(broker, "approvals", "approve", card["invocation_id"])
     assert "nothing is sent until the agent repeats the request with the same Idempotency-Key" in approved, approved
+    record = broker.invocation(card["invocation_id"])
+    assert (record["stage"], record["next_action"]) == ("approved", "retry_same_key"), record
+    shown = json.loads(cli(broker, "invocations", "show", card["invocation_id"]))
+    assert (shown["stage"], shown["next_action"], shown["owner"]["stale"]) == ("approved", "retry_same_key", True), shown
 
 
 def test_a_held_request_survives_a_restart(make_broker, upstream):

@@ -351,6 +351,8 @@ def test_a_request_never_sent_that_used_its_retry_budget_stops_backing_off(broke
     used = check_envelope(second.content)["error"]
     assert (used["code"], used["outcome"], used["retry"], second.headers["x-should-retry"]) == (
         "CONNECT_REFUSED", "not_attempted", "after_correction", "false"), used
+    assert "Retrying later is safe" not in used["message"] and "used the last of its Idempotency-Key's retry budget" in used["message"]
+    assert "Retrying later is safe" in refused["message"]
     exhausted = check_envelope(third.content)["error"]
     assert third.status_code == 429 and exhausted["code"] == "RETRY_BUDGET_EXHAUSTED"
     # Nothing to reconcile (an operator's reconcile refuses a record never sent): a new key is safe.
