@@ -335,7 +335,9 @@ async def serve(
             loop.default_exception_handler(context)
 
     loop.set_exception_handler(cut_by_the_stop)
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # SIGHUP too (the terminal it runs in closed): a stop like any other, not an instant death
+    # that leaves the requests in flight to another broker's recovery.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         try:
             loop.add_signal_handler(sig, stop)
         except NotImplementedError:  # pragma: no cover - non-Unix
@@ -345,6 +347,18 @@ async def serve(
     # heartbeat for a dead one once its records are stale_after old (a beat that fails here is
     # logged and tried again every heartbeat; this broker sweeps only once it holds its port).
     await recovery.start_beating()
+    if recovery.last_failure is not None and queries.read_only(recovery.last_failure):
+        # Connected, but every write is refused (a standby, a read-only role or mount): every
+        # request would only be refused. The advice says where to point instead.
+        refused = recovery.last_failure
+        await recovery.close()
+        await upstream.close()
+        await broker.close()
+        await journal.close()
+        await reader.close()
+        await engine.dispose()
+        raise StartupError(f"the journal refuses writes ({brief(refused)}). Nothing was started; "
+                           f"{queries.what_to_check(refused)}")
     api_task = asyncio.create_task(api.serve(sockets=[api_socket]), name="side api")
     logging.getLogger("mitmproxy.addons.proxyserver").addFilter(_ReportedByTheBroker())
     master_task = asyncio.create_task(master.run(), name="mitmproxy")

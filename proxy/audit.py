@@ -73,7 +73,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-from sqlalchemy import LargeBinary, String, and_, cast, distinct, exists, func, inspect, not_, or_, select
+from sqlalchemy import LargeBinary, String, and_, cast, distinct, exists, func, inspect, not_, or_, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
@@ -144,7 +144,7 @@ class Break:
         if self.writer is not None:
             parts.append(f"writer {self.writer} writer_seq {self.writer_seq}")
         if self.invocation_id is not None:
-            parts.append(f"invocation {self.invocation_id} seq {self.seq}")
+            parts.append(f"invocation {self.invocation_id}" + (f" seq {self.seq}" if self.seq is not None else ""))
         return ", ".join(parts) or "unknown position"
 
     def describe(self) -> str:
@@ -164,6 +164,9 @@ class AuditResult:
     read_immutable: bool = False
     #: The dump has no end line (an older affidavit's export): a cut at a line boundary is unseen.
     unended: bool = False
+    #: Tables beside the chain that this database role may not read (an auditor granted only
+    #: ``events`` and ``chain_checkpoints``): the checks that read them were not made.
+    unreadable: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -514,6 +517,10 @@ async def _snapshot(url: str) -> AsyncIterator[tuple[AsyncConnection, set[str], 
 
 #: Set in a snapshot connection's ``info`` when the SQLite file was read as immutable (see _snapshot).
 IMMUTABLE = "affidavit_immutable"
+#: Set in a snapshot connection's ``info``: the tables of :data:`_BESIDE_THE_CHAIN` its role may not read.
+UNREADABLE = "affidavit_unreadable"
+#: What a verify reads beside ``events`` (which it needs): checked only where the role may read them.
+_BESIDE_THE_CHAIN = frozenset({"chain_checkpoints", "invocations", "results"})
 
 
 async def _open_snapshot(engine: Any) -> tuple[AsyncConnection, set[str]]:
@@ -524,6 +531,11 @@ async def _open_snapshot(engine: Any) -> tuple[AsyncConnection, set[str]]:
         else:
             await conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
         tables = await conn.run_sync(lambda c: set(inspect(c).get_table_names()))
+        if conn.dialect.name == "postgresql":  # a query of a table this role may not read would end the snapshot
+            privilege = text("SELECT has_table_privilege(CAST(:t AS text), 'SELECT')")
+            unreadable = {t for t in sorted(tables & _BESIDE_THE_CHAIN) if not (await conn.execute(privilege, {"t": t})).scalar()}
+            tables -= unreadable
+            conn.info[UNREADABLE] = tuple(sorted(unreadable))
     except BaseException:
         with suppress(SQLAlchemyError, OSError):
             await conn.close()
@@ -771,19 +783,23 @@ async def _verify_live(url: str, extra: list[Row]) -> AuditResult:
         result = AuditResult(
             events=walk.events, writers=len(walk.writers), invocations=invocations,
             checkpoints=len({(str(m["writer"]), int(m["writer_seq"]), str(m["hash"])) for m in marks}),
-            read_immutable=bool(conn.info.get(IMMUTABLE)),
+            read_immutable=bool(conn.info.get(IMMUTABLE)), unreadable=conn.info.get(UNREADABLE, ()),
         )
         beyond = [*await _records_without_events(conn, tables, raw), *await _events_without_records(conn, tables, raw),
-                  *await _results_not_chained(conn, tables, raw), *await _outcomes_without_evidence(conn, tables, raw)]
+                  *await _results_not_chained(conn, tables, raw)]
+        outcomes = await _outcomes_without_evidence(conn, tables, raw)
         if not walk.flagged and not flagged_invocations:
-            result.breaks.extend(beyond)
+            result.breaks.extend([*beyond, *_outcome_break(outcomes)])
             return result
         # The damaged part: the flagged chains whole, and every row of the invocations they
         # hold events of, and of the flagged invocations (for their seqs and to name a deleted row).
         chains = await _rows_where(conn, raw, "writer", walk.flagged, walk.odd["writer"])
         wanted = {r["invocation_id"] for r in chains} | flagged_invocations | set(walk.odd["invocation_id"])
         others = await _rows_where(conn, raw, "invocation_id", wanted, walk.odd["invocation_id"], but=walk.flagged)
-    result.breaks = [*verify([*chains, *others], marks, writers=walk.flagged).breaks, *beyond]
+    # An invocation whose events are themselves damaged can show any outcome: that is the events'
+    # break, found above, not an edit of its row.
+    result.breaks = [*verify([*chains, *others], marks, writers=walk.flagged).breaks, *beyond,
+                     *_outcome_break([i for i in outcomes if i not in wanted])]
     return result
 
 
@@ -869,7 +885,7 @@ async def _results_not_chained(conn: AsyncConnection, tables: set[str], raw: boo
                   "`invocations result` or the side API would serve for it is not what the upstream answered)")]
 
 
-async def _outcomes_without_evidence(conn: AsyncConnection, tables: set[str], raw: bool) -> list[Break]:
+async def _outcomes_without_evidence(conn: AsyncConnection, tables: set[str], raw: bool) -> list[str]:
     """Invocation records whose outcome their events cannot have given them. The record row is
     the events' projection, written with them, and an outcome comes from evidence only
     (``contract.Record.outcome``): ``committed``/``rejected`` from the remote's complete answer
@@ -894,7 +910,11 @@ async def _outcomes_without_evidence(conn: AsyncConnection, tables: set[str], ra
     query = (select(cast(inv.invocation_id, LargeBinary) if raw else inv.invocation_id)
              .where(impossible, exists().where(events.c.invocation_id == inv.invocation_id))
              .order_by(inv.invocation_id))
-    ids = [bytes(i).decode("utf-8", "replace") if raw else i for (i,) in (await conn.execute(query)).all()]
+    return [bytes(i).decode("utf-8", "replace") if raw else i for (i,) in (await conn.execute(query)).all()]
+
+
+def _outcome_break(ids: list[str]) -> list[Break]:
+    """The finding for the records of :func:`_outcomes_without_evidence` (none for none)."""
     if not ids:
         return []
     return [Break(Damage.MODIFIED, None, None, ids[0], None,

@@ -206,6 +206,11 @@ def audit_verify(
                    "any, was not read, and neither are writes a broker makes meanwhile. For a journal a broker still "
                    "writes, verify a copy (`sqlite3 DB .backup FILE`) or verify as a user who can write its directory.",
                    err=True)
+    if result.unreadable:
+        missing = ", ".join(result.unreadable)
+        typer.echo(f"affidavit: warning: this database role may not read {missing}, so what is checked against "
+                   f"{'it' if len(result.unreadable) == 1 else 'them'} was not (docs/audit.md: the checks beside the "
+                   f"chain); grant SELECT on {missing} for a whole verify", err=True)
     counts = (
         f"{result.events} event(s) in {result.writers} writer chain(s), {result.invocations} invocation(s), "
         f"{result.checkpoints} checkpoint(s)"
@@ -224,10 +229,12 @@ def audit_verify(
         typer.echo(f"affidavit: {len(result.breaks) - 1} more problem(s):", err=True)
         for other in result.breaks[1:]:
             typer.echo(f"  {other.describe()}", err=True)
+    in_a_chain = any(b.writer is not None for b in result.breaks)
     typer.echo(
-        f"affidavit: ({counts}.) In that chain, events from the first broken position on cannot be trusted (for "
-        "`rewritten`: everything up to the checkpoint); compare with a backup or an earlier `affidavit audit export`, "
-        "and see docs/audit.md",
+        f"affidavit: ({counts}.) " + ("In a broken chain, events from its first broken position on cannot be trusted "
+                                      "(for `rewritten`: everything up to the checkpoint); " if in_a_chain else
+                                      "The rows named above were altered; ")
+        + "compare with a backup or an earlier `affidavit audit export`, and see docs/audit.md",
         err=True,
     )
     raise typer.Exit(1)
@@ -446,6 +453,7 @@ def _refuse_an_id_the_journal_holds(url: str, key_id: str) -> None:
                    "(`affidavit keys list` shows the ids in use)", err=True)
         return
     if why is not None:
-        _fail(f"the journal ({redact_url(url)}) already has a key behind '{key_id}' ({why}), X brokers refuse another key under that id at start, and what is "
-              f"stored under it stays readable only with its own key. Choose a new --id (the default is k<UTC "
+        _fail(f"the journal ({redact_url(url)}) already has a key behind '{key_id}' ({why}), though this configuration "
+              f"does not list it: brokers refuse another key under that id at start, and what is stored under it stays "
+              f"readable only with its own key. Choose a new --id (the default is k<UTC "
               "timestamp>); no key was written", 2)

@@ -130,6 +130,8 @@ class Recovery:
         #: broker configured with the same recovery.instance), and its records are not taken.
         self._beats: dict[str, Any] | None = None
         self._first_look: float | None = None
+        #: Why the latest heartbeat failed (None once one succeeds).
+        self.last_failure: BaseException | None = None
         self.twins: set[str] = set()
 
     async def start_beating(self) -> None:
@@ -187,12 +189,14 @@ class Recovery:
                     )
                 )
         except Exception as exc:
+            self.last_failure = exc
             if not self._silent:
                 log.warning("heartbeat failed (journal unreachable?): %s; other brokers may take this one's "
                             "in-flight records over after recovery.stale_after", brief(exc) or type(exc).__name__)
                 self._silent = True
             self._healthy_since = None
             return
+        self.last_failure = None
         if self._healthy_since is None:
             self._healthy_since = now
             if self._silent:  # at the failure's level, so whoever saw it sees this too

@@ -15,7 +15,7 @@ journal, which already serves several brokers (leases, fencing, recovery).
   restart that fails before the worker is ready (the database is down, say) is tried again after
   a wait that doubles per failure (1 s up to 30 s) and stops nothing: the other workers go on
   serving, as one broker does through an outage.
-* Stop: SIGTERM or SIGINT to the supervisor reaches every worker; each drains like a single
+* Stop: SIGTERM, SIGINT or SIGHUP to the supervisor reaches every worker; each drains like a single
   broker. A worker whose supervisor disappears (even by SIGKILL) stops within a second.
 * Metrics: the workers share a Prometheus multiprocess directory, so ``/metrics`` from any
   worker counts all of them. It is removed when the supervisor stops; one left by a supervisor
@@ -172,7 +172,7 @@ def supervise(settings: Settings, config: Path | None, workers: int, announce=pr
     def stop(signum: int, _frame: object) -> None:
         stopping.set()
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         for worker in pool:
             worker.start()

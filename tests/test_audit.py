@@ -33,6 +33,7 @@ from proxy.store.journal import GENESIS, Journal, chain_hash, make_engine, on_en
 from proxy.store.schema import events
 from proxy.store.vault_schema import chain_checkpoints, vault_secrets
 from tests.conftest import DIALECTS, database_url
+from tests.support.broker import AFFIDAVIT
 from tests.support.journal import query
 from tests.test_journal import identity
 
@@ -321,6 +322,44 @@ def test_a_record_edited_to_an_outcome_its_events_cannot_give_is_found(make_brok
     edited = sorted([refused_id, done])
     first = assert_first_break(audit.verify_database(broker.database_url), Damage.MODIFIED, None, None, edited[0], None)
     assert first.detail.startswith(f"2 invocation record(s) ({', '.join(edited)}) hold an outcome"), first
+    said = subprocess.run([AFFIDAVIT, "audit", "verify", "--database", broker.database_url], capture_output=True,
+                          text=True, timeout=60).stderr
+    assert f"invocation {edited[0]}: modified: 2 invocation record(s)" in said and "seq None" not in said, said
+    assert "The rows named above were altered" in said and "In a broken chain" not in said, said
+
+    # An event edited, its row not: the chain's break, not "the record row was edited" besides.
+    tamper(broker.database_url, f"UPDATE invocations SET outcome = 'not_attempted' WHERE invocation_id = '{refused_id}'",
+           f"UPDATE invocations SET outcome = 'committed' WHERE invocation_id = '{done}'", tables=("invocations",))
+    assert audit.verify_database(broker.database_url).ok
+    tamper(broker.database_url, f"UPDATE events SET kind = 'REMOTE_RESPONSE_STARTED' WHERE invocation_id = '{done}' "
+           "AND kind = 'REMOTE_RESPONSE_COMPLETE'")
+    result = audit.verify_database(broker.database_url)
+    assert [b.kind for b in result.breaks] == [Damage.MODIFIED] and result.breaks[0].writer is not None, result.breaks
+    assert result.breaks[0].invocation_id == done and "hold an outcome" not in result.breaks[0].detail, result.breaks
+
+
+def test_an_auditor_granted_only_the_chains_tables_verifies_them_and_is_told_what_was_not_checked(make_broker, upstream):
+    """docs/audit.md's auditor role (SELECT on events and chain_checkpoints): verify read the
+    invocations and results tables too, and failed on the first with "permission denied"."""
+    broker = make_broker("postgresql")
+    with broker.client() as client:
+        assert client.get("https://api.payments.test/h/ok").status_code == 200
+    assert broker.stop() == 0
+    role = f"auditor_{os.getpid()}_{time.monotonic_ns()}"
+    database = make_url(broker.database_url).database
+    admin = "postgresql://postgres@127.0.0.1:5432/" + database
+    subprocess.run(["psql", admin, "-qc", f"CREATE ROLE {role} LOGIN; GRANT SELECT ON events, chain_checkpoints TO {role};"],
+                   check=True, capture_output=True, timeout=60)
+    try:
+        as_auditor = make_url(broker.database_url).set(username=role).render_as_string(hide_password=False)
+        done = subprocess.run([AFFIDAVIT, "audit", "verify", "--database", as_auditor], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0 and "audit chain intact" in done.stdout, done.stdout + done.stderr
+        assert "warning: this database role may not read invocations, results, so what is checked against them was " \
+               "not" in done.stderr, done.stderr
+    finally:
+        subprocess.run(["psql", admin, "-qc", f"REVOKE ALL ON events, chain_checkpoints FROM {role}; DROP ROLE {role};"],
+                       capture_output=True, timeout=60)
 
 
 def test_a_forged_row_inserted_with_a_correct_hash_is_found(journal):

@@ -558,6 +558,25 @@ def test_a_database_that_cannot_be_reached_at_start_is_one_line_not_a_traceback(
     assert "check that the database is up" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_a_database_that_refuses_writes_at_start_stops_the_start(make_broker):
+    """A PostgreSQL standby (or a database read-only by default): the broker connected, its
+    heartbeat failed with "read-only transaction", and it listened anyway, refusing every request
+    while it seemed up. It now exits 1 and says where to point instead."""
+    from sqlalchemy.engine import make_url
+
+    broker = make_broker("postgresql", start=False)
+    assert broker.command("db", "upgrade").returncode == 0
+    name = make_url(broker.database_url).database
+    subprocess.run(["psql", "postgresql://postgres@127.0.0.1:5432/postgres", "-qc",
+                    f"ALTER DATABASE {name} SET default_transaction_read_only = on"], check=True, capture_output=True, timeout=60)
+    done = subprocess.run([AFFIDAVIT, "run", "--config", str(broker.config_path)], cwd=broker.workdir,
+                          env=broker._env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "affidavit: cannot start: the journal refuses writes (" in done.stderr, done.stderr[-3000:]
+    assert "read-only" in done.stderr and "point the URL at the primary" in done.stderr, done.stderr[-3000:]
+    assert "listening" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize(
     ("where", "check"),
     [

@@ -10,6 +10,7 @@ import os
 import re
 import secrets
 import sqlite3
+import signal
 import threading
 import time
 from typing import Any, Iterator
@@ -202,10 +203,12 @@ def test_a_slow_exchange_records_that_its_request_left_so_a_crash_does_not_hide_
     assert kinds.count("REQUEST_SENT") == 1 and kinds.index("DISPATCH_STARTED") < kinds.index("REQUEST_SENT"), kinds
 
 
-@pytest.mark.parametrize("dialect", DIALECTS)
-def test_a_clean_stop_writes_what_it_knows_of_the_requests_it_cuts(make_broker, upstream, dialect):
+@pytest.mark.parametrize(("dialect", "sig"), [("sqlite", signal.SIGTERM), ("postgresql", signal.SIGTERM),
+                                             ("sqlite", signal.SIGHUP)], ids=["sqlite", "postgresql", "sqlite-SIGHUP"])
+def test_a_clean_stop_writes_what_it_knows_of_the_requests_it_cuts(make_broker, upstream, dialect, sig):
     """SIGTERM with a request waiting on the upstream: the request is cut, and its record says
-    so in the journal (REMOTE_OUTCOME_UNKNOWN), not left 'in flight' for a recovery to guess at."""
+    so in the journal (REMOTE_OUTCOME_UNKNOWN), not left 'in flight' for a recovery to guess at.
+    SIGHUP (the terminal closed) stops as cleanly; it killed the broker at once."""
     broker = make_broker(dialect, routes=crash_routes(upstream))
     key = f"stop-{time.monotonic_ns()}"
     result: dict[str, Any] = {}
@@ -219,7 +222,7 @@ def test_a_clean_stop_writes_what_it_knows_of_the_requests_it_cuts(make_broker, 
     thread = threading.Thread(target=call)
     thread.start()
     upstream.wait_for_requests(1, timeout=10)
-    assert broker.stop() == 0
+    assert broker.stop(sig=sig) == 0
     thread.join(20)
     invocation_id = record_by_key(broker, key)
     rows = query(broker.database_url, f"SELECT stage, outcome, code FROM invocations WHERE invocation_id = '{invocation_id}'")

@@ -495,6 +495,8 @@ def test_keys_generate_refuses_an_id_the_journal_already_holds_though_the_config
     bound, older, free = generate("k1"), generate("k0"), generate("k3")
     assert bound.returncode == 2, bound.stdout + bound.stderr
     assert "already has a key behind 'k1' (its key check was written by broker one on " in bound.stderr, bound.stderr
+    assert "), though this configuration does not list it: brokers refuse another key under that id at start, and what " \
+        "is stored under it stays readable only with its own key. Choose a new --id" in bound.stderr, bound.stderr
     assert "no key was written" in bound.stderr and not (tmp_path / "k1.key").exists()
     assert older.returncode == 2 and "(rows were stored under it before key checks began)" in older.stderr, older.stderr
     assert not (tmp_path / "k0.key").exists()

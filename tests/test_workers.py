@@ -305,7 +305,7 @@ def test_without_a_configuration_file_the_defaults_notice_is_said_once_not_per_w
             if "workers share these ports" in line:
                 break
     finally:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGHUP)  # its terminal closed: a clean stop of every worker, as SIGTERM
         try:
             rest, _ = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:

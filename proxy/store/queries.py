@@ -108,6 +108,13 @@ DAMAGED_ADVICE = ("keep the damaged file or database, run `affidavit audit verif
                   "backup (docs/operations.md, Backups)")
 
 
+def read_only(exc: BaseException) -> bool:
+    """Whether ``exc`` says the journal refuses writes for good: a PostgreSQL standby or
+    read-only transaction (25006), a read-only SQLite file or mount."""
+    return any(_is(error, sqlite3.SQLITE_READONLY, errno.EROFS, "25006", "attempt to write a readonly database")
+               for error in causes(exc))
+
+
 def damaged(exc: BaseException) -> bool:
     """Whether ``exc`` says the journal's storage is damaged: SQLite's "database disk image is
     malformed" (or a file that is no database), PostgreSQL's data or index corruption (XX001,

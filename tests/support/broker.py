@@ -190,11 +190,11 @@ class BrokerProcess:
         self.kill()
         raise RuntimeError(f"the broker did not become ready in {timeout}s:\n{self.logs()[-3000:]}")
 
-    def stop(self, timeout: float = 15.0) -> int | None:
+    def stop(self, timeout: float = 15.0, sig: signal.Signals = signal.SIGTERM) -> int | None:
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
