@@ -343,6 +343,16 @@ async def serve(
         except NotImplementedError:  # pragma: no cover - non-Unix
             pass
 
+    async def close_all() -> None:
+        await recovery.close()
+        # Cut the exchanges still in flight first: their requests then end with what is known
+        # (REMOTE_OUTCOME_UNKNOWN, say) and write it while the journal still takes writes.
+        await upstream.close()
+        await broker.close()
+        await journal.close()
+        await reader.close()
+        await engine.dispose()
+
     # Alive before serving, and beating from now on: a sibling's sweep takes an owner without a
     # heartbeat for a dead one once its records are stale_after old (a beat that fails here is
     # logged and tried again every heartbeat; this broker sweeps only once it holds its port).
@@ -351,12 +361,7 @@ async def serve(
         # Connected, but every write is refused (a standby, a read-only role or mount): every
         # request would only be refused. The advice says where to point instead.
         refused = recovery.last_failure
-        await recovery.close()
-        await upstream.close()
-        await broker.close()
-        await journal.close()
-        await reader.close()
-        await engine.dispose()
+        await close_all()
         raise StartupError(f"the journal refuses writes ({brief(refused)}). Nothing was started; "
                            f"{queries.what_to_check(refused)}")
     api_task = asyncio.create_task(api.serve(sockets=[api_socket]), name="side api")
@@ -396,14 +401,7 @@ async def serve(
         stop()
         api.should_exit = True
         await asyncio.gather(master_task, api_task, return_exceptions=True)
-        await recovery.close()
-        # Cut the exchanges still in flight first: their requests then end with what is known
-        # (REMOTE_OUTCOME_UNKNOWN, say) and write it while the journal still takes writes.
-        await upstream.close()
-        await broker.close()
-        await journal.close()
-        await reader.close()
-        await engine.dispose()
+        await close_all()
 
 
 def _handles_a_connection(task: asyncio.Task[Any]) -> bool:
