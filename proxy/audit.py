@@ -796,11 +796,19 @@ async def _verify_live(url: str, extra: list[Row]) -> AuditResult:
         chains = await _rows_where(conn, raw, "writer", walk.flagged, walk.odd["writer"])
         wanted = {r["invocation_id"] for r in chains} | flagged_invocations | set(walk.odd["invocation_id"])
         others = await _rows_where(conn, raw, "invocation_id", wanted, walk.odd["invocation_id"], but=walk.flagged)
-    # An invocation whose events are themselves damaged can show any outcome: that is the events'
-    # break, found above, not an edit of its row.
-    result.breaks = [*verify([*chains, *others], marks, writers=walk.flagged).breaks, *beyond,
-                     *_outcome_break([i for i in outcomes if i not in wanted])]
+    walked = verify([*chains, *others], marks, writers=walk.flagged).breaks
+    untrusted = _untrusted([*chains, *others], walked)
+    result.breaks = [*walked, *beyond, *_outcome_break([i for i in outcomes if i not in untrusted])]
     return result
+
+
+def _untrusted(rows: Iterable[Row], breaks: list[Break]) -> set[str]:
+    """The invocations whose events a break puts in doubt: those named by one, and those with an
+    event in a broken chain. Their events can show any outcome: that is the events' break, not an
+    edit of their record row (:func:`_outcome_break` leaves them out)."""
+    broken = {b.writer for b in breaks if b.writer is not None}
+    return ({str(r["invocation_id"]) for r in rows if r["writer"] in broken}
+            | {b.invocation_id for b in breaks if b.invocation_id is not None})
 
 
 #: How many invocations a finding about many names before it says "and N more".

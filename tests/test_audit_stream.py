@@ -27,14 +27,17 @@ LONG = 3000  # events in the damaged chain: many batches of the stream, several 
 def reference(url: str) -> audit.AuditResult:
     """What the whole-journal walk finds (every row in memory), then what the checks of the tables
     the chains do not cover find (a live verify makes them after its walk, in this order)."""
-    result = audit.verify(*asyncio.run(audit.load_database(url)))
+    rows, marks = asyncio.run(audit.load_database(url))
+    result = audit.verify(rows, marks)
 
     async def beyond() -> list[audit.Break]:
         async with audit._snapshot(url) as (conn, tables, raw):
+            outcomes = await audit._outcomes_without_evidence(conn, tables, raw)
+            untrusted = audit._untrusted(rows, result.breaks)  # their events' break says it already
             return [*await audit._records_without_events(conn, tables, raw),
                     *await audit._events_without_records(conn, tables, raw),
                     *await audit._results_not_chained(conn, tables, raw),
-                    *await audit._outcomes_without_evidence(conn, tables, raw)]
+                    *audit._outcome_break([i for i in outcomes if i not in untrusted])]
 
     result.breaks += asyncio.run(beyond())
     return result
