@@ -538,11 +538,11 @@ def create_app(
         rows, events = await queries.events_of(engine, invocation_id, journal.decode_payload)
         owner = await queries.holder(engine, row, stale_after)
         return describe(row, events, operator=who.operator, event_times={r["seq"]: r["at"] for r in rows}, owner=owner,
-                        holder_gone=gone(owner))
+                        holder_restarted=restarted(owner))
 
-    def gone(owner: dict[str, Any] | None) -> bool:
-        """Whether the broker holding an in-flight record has stopped (see :func:`describe`)."""
-        return owner is not None and (owner["stale"] is True or (broker is not None and broker.earlier_self(owner["broker"])))
+    def restarted(owner: dict[str, Any] | None) -> bool:
+        """Whether an in-flight record's holder is this broker's earlier incarnation (see :func:`describe`)."""
+        return owner is not None and broker is not None and broker.earlier_self(owner["broker"])
 
     @app.get(
         "/v1/invocations/{invocation_id}/result",
@@ -610,7 +610,7 @@ def create_app(
         rows, events = await queries.events_of(engine, invocation_id, journal.decode_payload)
         owner = await queries.holder(engine, row, stale_after)
         return describe(row, events, operator=True, event_times={r["seq"]: r["at"] for r in rows}, owner=owner,
-                        holder_gone=gone(owner))
+                        holder_restarted=restarted(owner))
 
     @app.post("/v1/invocations/{invocation_id}/reconcile", tags=["operators"],
               summary="Append what is known about the effect (operator); the original record stays",

@@ -316,8 +316,7 @@ def invocations_show(invocation_id: InvocationId, config: ConfigOption = None) -
             return None
         rows, events = await queries.events_of(engine, invocation_id, payload_decoder(ring_of(settings)))
         owner = await queries.holder(engine, row, settings.recovery.stale_after)
-        return describe(row, events, operator=True, event_times={r["seq"]: r["at"] for r in rows}, owner=owner,
-                        holder_gone=owner is not None and owner["stale"] is True)
+        return describe(row, events, operator=True, event_times={r["seq"]: r["at"] for r in rows}, owner=owner)
 
     view = with_engine(settings, read)
     if view is None:
@@ -445,19 +444,17 @@ def call_api(settings: Settings, method: str, path: str, body: Any = None, *, fi
         else:
             typer.echo(f"affidavit: {exc} (is the broker running?)", err=True)
         raise typer.Exit(1) from None
+    unlike = None  # what an answer lacks that the side API's has: another server at api.listen
     if status < 400 and (not isinstance(answer, dict) or any(f not in answer for f in fields)):
+        unlike = f"no {', '.join(f for f in fields if not isinstance(answer, dict) or f not in answer) or 'JSON object'}"
+    elif status >= 400 and not (isinstance(answer, dict) and "detail" in answer):
+        text = " ".join(str(answer).split())
+        unlike = f"no problem document; it began: {text[:120]!r}{'...' if len(text) > 120 else ''}"
+    if unlike is not None:
         typer.echo(f"affidavit: the server at {api.base_url} answered {status}, but not as an Affidavit side API does "
-                   f"(no {', '.join(f for f in fields if not isinstance(answer, dict) or f not in answer) or 'JSON object'}"
-                   "): is api.listen in this configuration the broker's side API, and is it this broker's "
+                   f"({unlike}): is api.listen in this configuration the broker's side API, and is it this broker's "
                    "configuration (--config)?" + (" Whether the change was made, the record says." if method != "GET" else ""),
                    err=True)
-        raise typer.Exit(1)
-    if status >= 400 and not (isinstance(answer, dict) and "detail" in answer):
-        text = " ".join(str(answer).split())
-        typer.echo(f"affidavit: the server at {api.base_url} answered {status}, but not as an Affidavit side API does "
-                   f"(no problem document; it began: {text[:120]!r}{'...' if len(text) > 120 else ''}): is api.listen "
-                   "in this configuration the broker's side API, and is it this broker's configuration (--config)?"
-                   + (" Whether the change was made, the record says." if method != "GET" else ""), err=True)
         raise typer.Exit(1)
     if status >= 400:
         detail = answer["detail"]

@@ -8,7 +8,6 @@ written to a 0600 file and only its path is shown.
 from __future__ import annotations
 
 import os
-import re
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -18,7 +17,7 @@ import typer
 
 from .cli_operator import ConfigOption, defaults_notice, settings_or_exit, with_engine
 from .store.migrate import sqlite_file, sqlite_where
-from .config import ConfigError, load_settings, redact_url
+from .config import KEY_ID, ConfigError, load_settings, redact_url
 from .credentials import CredentialUnavailable
 
 if TYPE_CHECKING:
@@ -274,7 +273,6 @@ def audit_export(
 
 # -- keys ------------------------------------------------------------------------------------
 
-_KEY_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # as accepted by [crypto] keys
 
 
 @keys_app.command("generate")
@@ -287,7 +285,7 @@ def keys_generate(
     from .crypto import generate_key
 
     key_id = key_id or f"k{datetime.now(UTC):%Y%m%d%H%M%S}"
-    if not _KEY_ID.fullmatch(key_id):
+    if not KEY_ID.fullmatch(key_id):
         _fail("a key id is 1-64 letters, digits, '_', '.' or '-'", 2)
     settings = _settings_for_a_key(config)  # an invalid configuration stops here, before a key is written
     existing = list(settings.crypto.keys)

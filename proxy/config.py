@@ -121,7 +121,7 @@ def parse_listen(value: str) -> tuple[str, int]:
     host, sep, port = str(value).rpartition(":")
     if sep and _LISTEN_HOST.fullmatch(host) and port.isascii() and port.isdigit() and not 1 <= int(port) <= 65535:
         raise ValueError(f"{value!r}: port {int(port)} is out of range (1 to 65535)")
-    if not sep or not _LISTEN_HOST.fullmatch(host) or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+    if not sep or not _LISTEN_HOST.fullmatch(host) or not (port.isascii() and port.isdigit()):
         # An empty host ('[]:8080') would bind every interface: that must be said, as 0.0.0.0 or [::].
         raise ValueError(f"{value!r} is not host:port, e.g. '127.0.0.1:8080' or '[::1]:8080' (every interface: "
                          "'0.0.0.0:8080' or '[::]:8080')")
@@ -259,15 +259,17 @@ class UpstreamSection(_Section):
     keepalive: Duration = 30.0
 
 
-_KEY_ENTRY = re.compile(r"^([A-Za-z0-9_.-]{1,64})=((?:env|file):.+)$")
+#: A ``[crypto] keys`` id, and an entry: ``ID=env:NAME`` or ``ID=file:/path``.
+KEY_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_KEY_SOURCE = re.compile(r"(?:env|file):.+$")
 
 
 def _check_key_entry(value: str) -> str:
-    if not isinstance(value, str) or not _KEY_ENTRY.match(value):
-        key_id, sep, source = value.partition("=") if isinstance(value, str) else ("", "", "")
-        if sep and re.match(r"^(?:env|file):.+$", source) and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", key_id):
-            raise ValueError(f"the key id {key_id[:70]!r} is not 1 to 64 letters, digits, '_', '.' or '-'")
+    key_id, sep, source = value.partition("=") if isinstance(value, str) else ("", "", "")
+    if not (sep and _KEY_SOURCE.match(source)):
         raise ValueError("each key is 'ID=env:NAME' or 'ID=file:/path' (the source holds 32 random bytes, base64)")
+    if not KEY_ID.fullmatch(key_id):
+        raise ValueError(f"the key id {key_id[:70]!r} is not 1 to 64 letters, digits, '_', '.' or '-'")
     return value
 
 

@@ -73,16 +73,17 @@ def describe(
     operator: bool = False,
     event_times: dict[int, Any] | None = None,
     owner: dict[str, Any] | None = None,
-    holder_gone: bool = False,
+    holder_restarted: bool = False,
 ) -> dict[str, Any]:
-    """The record as the side API and the CLI show it. ``owner`` (:func:`owner_view`), for an
-    operator's view of a record still in flight. ``holder_gone``: the broker that holds it has
-    stopped (its heartbeat is stale, or it is an earlier incarnation of the broker asking)."""
+    """The record as the side API and the CLI show it. ``owner`` (:func:`owner_view`), who holds a
+    record still in flight, shown to operators only. ``holder_restarted``: that holder is an
+    earlier incarnation of the broker asking, so it has stopped however fresh its heartbeat."""
     now = now or datetime.now(UTC)
     record: Record = project(events)
     operation = operation_of(row)
     retry = retry_hint(record, operation, retention_open=may_resend(row, now), budget_left=budget_left(row))
     next_action = decide(record, retry, operation, row["fingerprint"])
+    holder_gone = holder_restarted or (owner is not None and owner["stale"] is True)
     if next_action is NextAction.WAIT and holder_gone and record.stage in _HELD and row.get("idempotency_key"):
         # Held for (or given) an approval by a broker that has stopped: nothing moves until the
         # agent repeats it with its key, which a running broker takes over (docs/control.md).

@@ -77,7 +77,7 @@ def what_to_check(exc: BaseException) -> str:
         if _is(error, sqlite3.SQLITE_FULL, errno.ENOSPC, "53100", "database or disk is full"):
             return ("the disk that holds it (or its quota) is full; free space there (the journal only grows: see "
                     "docs/operations.md, \"Disk\")")
-        if _is(error, sqlite3.SQLITE_READONLY, errno.EROFS, "25006", "attempt to write a readonly database"):
+        if read_only(error):
             return ("it is read-only here (a read-only mount or file, a directory this user cannot write, or a "
                     "PostgreSQL standby), and the broker must write its journal; give this user write access, or "
                     "point the URL at the primary")
