@@ -639,9 +639,13 @@ def banner(settings: Settings) -> str:
         f"affidavit: proxy listening on {settings.proxy.listen}, side API on http://{settings.api.listen}",
         f"affidavit: journal {redact_url(settings.database.url)}",
         f"affidavit: CA certificate {ca_path(settings)}",
-        f"affidavit: for agent '{agent or 'AGENT'}' (`affidavit env --agent NAME` prints these again):",
-        *(f"  {line}" for line in env_lines(settings, agent)),
     ]
+    if agent is None:
+        lines.append("affidavit: no [[agents]] are configured, so the proxy refuses every request (407); add one "
+                     "(docs/configuration.md), then `affidavit env --agent NAME` prints its settings")
+    else:
+        lines += [f"affidavit: for agent '{agent}' (`affidavit env --agent NAME` prints these again):",
+                  *(f"  {line}" for line in env_lines(settings, agent))]
     return "\n".join(lines)
 
 

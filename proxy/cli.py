@@ -78,9 +78,13 @@ def run(
     if example:
         from .example import write_example
 
-        tokens = write_example(config or DEFAULT_CONFIG)
-        if tokens is not None:
-            typer.echo(f"affidavit: wrote an example configuration to {config or DEFAULT_CONFIG} (tokens in {tokens}/)")
+        written = write_example(config or DEFAULT_CONFIG)
+        if written is None:
+            typer.echo(f"affidavit: {config or DEFAULT_CONFIG} exists; --example left it as it is and runs it")
+        else:
+            tokens, kept = written
+            reused = f"; {' and '.join(kept)} {'was' if len(kept) == 1 else 'were'} there already and kept" if kept else ""
+            typer.echo(f"affidavit: wrote an example configuration to {config or DEFAULT_CONFIG} (tokens in {tokens}/{reused})")
     settings = settings_or_exit(config, quiet=worker_index is not None)
     count = workers if workers is not None else settings.proxy.workers
     try:

@@ -67,19 +67,23 @@ def example_text(home: str) -> str:
     return text
 
 
-def write_example(path: Path) -> Path | None:
-    """Write the example and fresh random tokens, unless a configuration already exists; the
-    directory the tokens went to, or None."""
+def write_example(path: Path) -> tuple[Path, list[str]] | None:
+    """Write the example and fresh random tokens, unless a configuration already exists: the
+    directory the tokens are in and the token files that were there already (kept, not
+    replaced), or None."""
     if path.exists():
         return None
     home = path.parent.resolve()
     here = home == Path.cwd().resolve()
     secrets_dir = home / ".affidavit"
     secrets_dir.mkdir(parents=True, exist_ok=True)
+    kept = []
     for name in ("builder.token", "operator.token"):
         token_file = secrets_dir / name
-        if not token_file.exists():
+        if token_file.exists():
+            kept.append(name)
+        else:
             token_file.write_text(secrets.token_urlsafe(24) + "\n")
             token_file.chmod(0o600)
     path.write_text(example_text("." if here else str(home)))
-    return Path(".affidavit") if here else secrets_dir
+    return (Path(".affidavit") if here else secrets_dir), kept

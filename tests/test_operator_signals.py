@@ -597,6 +597,87 @@ def test_run_example_with_a_configuration_elsewhere_keeps_its_files_beside_it(ex
             proc.wait(5)
 
 
+def _serve_until_banner(args: list[str], cwd: Path, env: dict[str, str], needle: str, logs: Path) -> tuple[subprocess.Popen[bytes], str]:
+    out, err = logs / "run.out", logs / "run.err"
+    with open(out, "wb") as stdout, open(err, "wb") as stderr:
+        proc = subprocess.Popen([AFFIDAVIT, "run", *args], cwd=cwd, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
+    try:
+        return proc, wait_for_text(out, needle, proc, 60, err)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+        raise
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(20) == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+
+
+def test_run_example_keeps_a_token_file_already_there_and_says_so(example_dir: Path, tmp_path: Path):
+    """A ``.affidavit/builder.token`` left from an earlier try is kept (never overwritten), and the
+    line that reports the example says so: the token the agent needs is the old one."""
+    (example_dir / ".affidavit").mkdir()
+    old = secrets.token_urlsafe(24)
+    (example_dir / ".affidavit" / "builder.token").write_text(old + "\n")
+    proxy_listen, api_listen = (f"127.0.0.1:{port}" for port in free_ports(2))
+    env = clean_env(AFFIDAVIT_PROXY__LISTEN=proxy_listen, AFFIDAVIT_API__LISTEN=api_listen)
+    proc, printed = _serve_until_banner(["--example"], example_dir, env, "export AFFIDAVIT_API_URL=", tmp_path)
+    try:
+        assert ("affidavit: wrote an example configuration to affidavit.toml "
+                "(tokens in .affidavit/; builder.token was there already and kept)") in printed.splitlines()
+        assert (example_dir / ".affidavit" / "builder.token").read_text() == old + "\n"
+        ca = example_dir / ".affidavit" / "mitmproxy-ca-cert.pem"
+        with httpx.Client(proxy=f"http://builder:{old}@{proxy_listen}", verify=ssl.create_default_context(cafile=str(ca)),
+                          trust_env=False, timeout=20) as client:
+            refused = client.get("https://unknown.example.test/x")
+        assert refused.status_code == 403 and check_envelope(refused.content)["error"]["code"] == "INVALID_TARGET"
+    finally:
+        _stop(proc)
+    # Run again: the configuration exists now, and --example says it left it alone.
+    proc, printed = _serve_until_banner(["--example"], example_dir, env, "export AFFIDAVIT_API_URL=", tmp_path)
+    try:
+        assert "affidavit: affidavit.toml exists; --example left it as it is and runs it" in printed.splitlines()
+    finally:
+        _stop(proc)
+    assert old not in (tmp_path / "run.out").read_text() + (tmp_path / "run.err").read_text()
+
+
+def test_a_broker_without_agents_says_it_refuses_every_request(tmp_path: Path):
+    """No ``[[agents]]``: the banner does not print exports for a made-up agent 'AGENT' with the
+    token 'TOKEN'; it says that every request is refused, as one is."""
+    proxy_listen, api_listen = (f"127.0.0.1:{port}" for port in free_ports(2))
+    config = tmp_path / "affidavit.toml"
+    config.write_text(f"""[proxy]
+listen = "{proxy_listen}"
+confdir = "{tmp_path / 'conf'}"
+
+[api]
+listen = "{api_listen}"
+
+[database]
+url = "sqlite+aiosqlite:///{tmp_path / 'journal.db'}"
+""")
+    proc, printed = _serve_until_banner(["-c", str(config)], tmp_path, clean_env(), "affidavit: CA certificate", tmp_path)
+    try:
+        wait_for_text(tmp_path / "run.out", "[[agents]]", proc, 10, tmp_path / "run.err")
+        printed = (tmp_path / "run.out").read_text()
+        assert "AGENT" not in printed and "export " not in printed
+        assert ("affidavit: no [[agents]] are configured, so the proxy refuses every request (407); add one "
+                "(docs/configuration.md), then `affidavit env --agent NAME` prints its settings") in printed.splitlines()
+        with httpx.Client(proxy=f"http://AGENT:TOKEN@{proxy_listen}", trust_env=False, timeout=20) as client:
+            refused = client.get("http://upstream.example.test/x")
+        assert refused.status_code == 407, refused.text
+    finally:
+        _stop(proc)
+
+
 @pytest.mark.parametrize("ports", ["default", "chosen"])
 def test_run_example_in_an_empty_directory(example_dir: Path, ports: str):
     if ports == "default":
