@@ -28,7 +28,7 @@ from proxy import audit
 from proxy.audit import Break, Damage, checkpoint_row
 from proxy.contract import EventKind
 from proxy.crypto import KeyRing
-from proxy.invocation_log import InvocationLog, new_invocation_id
+from proxy.invocation_log import InvocationLog
 from proxy.store.journal import GENESIS, Journal, chain_hash, make_engine, on_engine
 from proxy.store.schema import events
 from proxy.store.vault_schema import chain_checkpoints, vault_secrets

@@ -945,8 +945,6 @@ def test_a_complete_answer_whose_record_is_slow_is_delivered_not_timed_out(make_
     broker = make_broker("postgresql", routes=routes)
     with broker.client() as client:
         assert client.get(f"{PAYMENTS}/h/ok").status_code == 200  # warm: connections, statements
-        held = threading.Event()
-
         def lock_results() -> None:
             subprocess.run(["psql", "-X", "-q", "-d", broker.database_url.replace("+asyncpg", ""), "-c",
                             "BEGIN; LOCK TABLE results IN EXCLUSIVE MODE; SELECT pg_sleep(2.5); COMMIT;"],

@@ -15,7 +15,6 @@ import json
 import time
 from pathlib import Path
 
-import orjson
 import pytest
 
 from proxy import contract

@@ -485,7 +485,7 @@ def test_keys_generate_refuses_an_id_the_journal_already_holds_though_the_config
 
     run(db, scenario)
     config = tmp_path / "affidavit.toml"
-    config.write_text(tomli_w.dumps({"database": {"url": db}, "crypto": {"keys": [f"k2=env:AFFIDAVIT_K2"]}}))
+    config.write_text(tomli_w.dumps({"database": {"url": db}, "crypto": {"keys": ["k2=env:AFFIDAVIT_K2"]}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("AFFIDAVIT_")}
 
     def generate(key_id: str, config_path: Path = config) -> subprocess.CompletedProcess[str]:

@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import make_url
 
 from proxy.contract import Code, Outcome, Phase
-from tests.support.broker import AFFIDAVIT, BROKER_COMMAND, BrokerProcess, free_port, free_ports
+from tests.support.broker import AFFIDAVIT, BROKER_COMMAND, BrokerProcess, free_ports
 from tests.support.canaries import CANARIES
 from tests.support.envelopes import check_envelope
 from tests.support.hostile import HostileUpstream

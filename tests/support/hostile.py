@@ -761,7 +761,7 @@ class HostileUpstream:
     async def _b_stall_mid_body(self, conn: _Conn, entry: Received, q: dict[str, str]) -> bool:
         """Effect; a 200 head promising 100 bytes and 10 of them; then nothing for ``?delay=`` (10)
         s or until the client leaves; then close."""
-        n = self._apply(entry)
+        self._apply(entry)
         await conn.send(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n" + b'{"effects":'[:10])
         entry.response_status = 200
         await conn.wait_input(float(q.get("delay", "10")))
