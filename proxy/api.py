@@ -173,6 +173,24 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
+class EncodedSlash:
+    """Answers a path with an encoded ``/`` (``%2F``) as one no endpoint has. Starlette routes on
+    the decoded path, so ``/v1/invocations/act_x%2Fresult`` would have been served as
+    ``/v1/invocations/act_x/result``: no id holds a ``/``, and no client means the one for the other."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw = scope.get("raw_path") if scope["type"] == "http" else None
+        if raw and b"%2f" in raw.lower():
+            asked = f"{scope['method']} {shown(raw.decode('latin-1').partition('?')[0])}"
+            response = _problem(404, "Not Found", f"{asked}: the side API has no such endpoint (an encoded '/', %2F, is "
+                                "part of no path or id; the paths are listed at /openapi.json and in docs/api.md).")
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 #: The most a request's head (request line and headers) may take. uvicorn's httptools protocol
 #: has no bound of its own (h11's has one, at half the speed): a 200 MB header line was held whole.
 MAX_HEAD = 64 * 1024
@@ -383,6 +401,7 @@ def create_app(
         dependencies=[Depends(_each_once)],
     )
     app.add_middleware(BodyLimit)
+    app.add_middleware(EncodedSlash)
     tokens = {token.encode(): name for name, token in agent_tokens.items()}
     operator = operator_token.encode() if operator_token else None
     stale_after = (broker.settings.recovery if broker is not None else RecoverySection()).stale_after

@@ -507,6 +507,7 @@ def test_side_api_unknown_paths_and_methods_get_problem_documents(broker: Broker
     for api_of in (broker.operator, lambda: broker.api("not-a-token")):
         with api_of() as api:
             for path in ("/v1/invocations/", "/v1/invocations/%2F", "/v1/invocations/act_x/result/", "/v1/nope",
+                         "/v1/invocations/act_x%2Fresult", "/v1/invocations%2fact_x",
                          "/docs", "/redoc"):  # no browsable pages (served without a token, scripts from a CDN)
                 answer = _seen(api.get(path))
                 assert answer.status_code == 404, (path, answer.status_code, answer.headers.get("location"))
