@@ -52,8 +52,10 @@ def decode(body: bytes, codings: list[str], limit: int) -> bytes:
             body = _DECODERS[coding](body, limit)
         except Undecodable:
             raise
-        except Exception as exc:  # zlib.error, brotli.error, zstandard.ZstdError: a corrupt stream
-            raise Undecodable(f"{coding}: {exc}") from None
+        except Exception:  # zlib.error, zstandard.ZstdError: a corrupt stream
+            # The library's own wording ("Error -3 while decompressing data: ...") tells the agent
+            # and the operator nothing more, and the reason is the broker's words only.
+            raise Undecodable(f"{coding}: the compressed data is corrupt") from None
     return body
 
 

@@ -47,7 +47,10 @@ def test_a_body_that_expands_beyond_the_limit_stops_at_the_limit(coding: str):
 
 
 @pytest.mark.parametrize(("body", "codings", "why"), [
-    (b"not compressed at all", ["gzip"], "gzip"),
+    (b"not compressed at all", ["gzip"], "^gzip: the compressed data is corrupt$"),
+    (b"\x1f\x8b\x08\x00" + bytes(6) + b"\xff" * 20, ["gzip"], "^gzip: the compressed data is corrupt$"),
+    (b"not zstd", ["zstd"], "^zstd: the compressed data is corrupt$"),
+    (b"not zlib", ["deflate"], "^deflate: the compressed data is corrupt$"),
     (encoding.encode(ECHO, "gzip")[:-12], ["gzip"], "ends early"),
     (ECHO, ["compress"], "a coding the broker does not know"),
 ])
