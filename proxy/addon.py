@@ -196,6 +196,18 @@ def http2_refused(why: str) -> http.Response:
     )
 
 
+def http2_over_http1() -> http.Response:
+    """A request line that says ``HTTP/2.0`` on an HTTP/1 connection (HTTP/2 is spoken only where
+    TLS negotiated it, ALPN ``h2``): mitmproxy reads it as HTTP/1 but calls it HTTP/2, so neither
+    version's rules would be the ones it was checked by."""
+    log.info("refused a request line saying HTTP/2.0 on an HTTP/1 connection: 400 %s", Code.MALFORMED_REQUEST.value)
+    return _refusal(
+        400, Code.MALFORMED_REQUEST,
+        "The request line says HTTP/2.0, but this connection speaks HTTP/1 (HTTP/2 is spoken only inside TLS, "
+        "negotiated as h2). Nothing was sent upstream and nothing was recorded. Send the request as HTTP/1.1.",
+    )
+
+
 def trailers_refused() -> http.Response:
     """A request with trailer fields: the broker forwards none (its upstream client sends no
     trailers and the fingerprint covers none), and sending the request without them would send
@@ -931,6 +943,8 @@ class BrokerAddon:
         try:
             if flow.response is None and self.auth.agent_of(flow) is None:
                 flow.response = self.auth.refusal(flow)
+            elif flow.response is None and flow.request.is_http2 and flow.client_conn.alpn != b"h2":
+                flow.response = http2_over_http1()
             elif flow.response is None and flow.request.is_http2 and (why := http2_malformed(flow.request)) is not None:
                 flow.response = http2_refused(why)
         except Exception:

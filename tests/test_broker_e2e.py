@@ -293,6 +293,25 @@ def test_a_connect_without_host_and_port_opens_no_tunnel(broker: BrokerProcess, 
     assert upstream.received == []
 
 
+@pytest.mark.parametrize("auth_name", [b"Proxy-Authorization", b"proxy-authorization"])
+def test_a_request_line_saying_http2_on_an_http1_connection_is_refused_as_such(broker: BrokerProcess, upstream: HostileUpstream,
+                                                                                auth_name: bytes):
+    """mitmproxy reads ``GET ... HTTP/2.0`` on an HTTP/1 connection and calls it HTTP/2: it was
+    refused for 'Proxy-Authorization' not being a valid HTTP/2 field name, and with the header in
+    lower case forwarded (as HTTP/1.1). Either way it is refused for what it is, unrecorded."""
+    upstream.reset()
+    basic = base64.b64encode(f"builder:{broker.agents['builder'].token}".encode())
+    answer = _raw(broker.proxy_port, b"GET http://plain.example.test/h/ok HTTP/2.0\r\nhost: plain.example.test\r\n%s: Basic %s\r\n\r\n"
+                  % (auth_name, basic))
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") or head.startswith(b"HTTP/2.0 400"), answer[:300]
+    error = check_envelope(body)["error"]
+    assert (error["code"], error["outcome"]) == ("MALFORMED_REQUEST", "not_attempted"), error
+    assert "The request line says HTTP/2.0, but this connection speaks HTTP/1" in error["message"], error
+    assert json.loads(body)["invocation_id"] is None
+    assert upstream.received == []
+
+
 @pytest.mark.parametrize("token", [None, "wrong-token"])
 def test_missing_or_wrong_proxy_token_gets_407_and_nothing_is_sent(broker: BrokerProcess, upstream: HostileUpstream, token):
     auth = b"" if token is None else b"Proxy-Authorization: Basic " + base64.b64encode(f"builder:{token}".encode()) + b"\r\n"
