@@ -124,6 +124,10 @@ class InvocationLog:
         #: Held while failed writes are sent again: two commits of this invocation at once (the
         #: background finisher and the delivery repair) must not both resend the same writes.
         self._resending: asyncio.Lock | None = None
+        #: A result whose commit failed before its write was made (an earlier write had to be sent
+        #: again first, and the journal still failed): it stays with the buffered events (its
+        #: RESULT_COMMITTED among them) and goes in the next write made of them.
+        self._result: dict[str, Any] | None = None
         self._created_at = utcnow()
         #: The last failure's internal diagnostic (library or secret-source text, never a value),
         #: for the operator's end-of-invocation log line.
@@ -288,6 +292,8 @@ class InvocationLog:
         A write nobody waited for that failed (a lazy one, during an outage) would have every
         later write of this invocation refused after it: it is sent again first, in order."""
         if any(_failed(w) for w in self._unconfirmed):  # those after it, still queued, fail with it
+            if result is not None:
+                self._result = result  # should the resend fail: see _next_write
             try:
                 await self.resubmit()
             except LeaseLost:  # another broker closed the record meanwhile: these can never be made
@@ -299,6 +305,9 @@ class InvocationLog:
     def _next_write(self, result: dict[str, Any] | None, fence: Fence | None, claim: bool, lazy: bool) -> Write:
         """The buffered events and the new projection, as one write after the previous one."""
         projection = self.projection()
+        if result is None:
+            result = self._result
+        self._result = None
         write = Write(events=self._buffer, result=result, fence=fence or self.fence(), after=self._last, lazy=lazy)
         self._unconfirmed = [w for w in self._unconfirmed if not _durable(w)]
         self._unconfirmed.append(write)

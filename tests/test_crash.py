@@ -525,6 +525,35 @@ def test_a_progress_write_lost_in_an_outage_does_not_cost_the_result_once_the_jo
     assert record["outcome"] == "committed" and upstream.effects == 1
 
 
+def test_a_result_whose_commit_waits_behind_a_lost_progress_write_is_stored_once_the_journal_is_back(relayed_pg, make_broker, upstream):
+    """As above, but the journal is still away when the answer arrives: the result's commit sends
+    the lost progress write again first, which fails, so the result's own write was never made.
+    The repair once the journal is back wrote RESULT_COMMITTED without the result (the record said
+    fetch_result; the fetch said no result): the result stays with its events and is stored."""
+    url, relay = relayed_pg
+    broker = _start_on(make_broker, upstream, url)
+    offset = len(broker.logs())
+    with broker.client() as client:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(client.post, CRASH + "/h/slow?delay=2", content=b"{}")
+            upstream.wait_for_requests(1, timeout=10)
+            relay.cut()  # before the progress write, 0.25 s after the request left
+            response = answer.result(timeout=20)  # the answer arrives while the journal is away
+    assert response.status_code == 200 and response.headers["affidavit-code"] == "RESULT_STORE_FAILED", response.headers
+    invocation_id = response.headers["affidavit-invocation-id"]
+    relay.restore()
+    deadline = time.monotonic() + 20
+    while "after the journal recovered" not in broker.logs()[offset:] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    record = broker.wait_for(invocation_id, lambda r: r["stage"] == "delivered", timeout=10)
+    assert record["outcome"] == "committed", record
+    with broker.operator() as api:
+        stored = api.get(f"/v1/invocations/{invocation_id}/result")
+    assert stored.status_code == 200, stored.text[:500]
+    assert stored.content == response.content and stored.headers["affidavit-replayed"] == "true"
+    assert upstream.effects == 1
+
+
 def test_a_heartbeat_that_fails_and_comes_back_is_logged_both_times(relayed_pg, make_broker, upstream):
     """The operator who saw "heartbeat failed" at 3 a.m. also learns, at the same level, when the
     journal took heartbeats again."""
