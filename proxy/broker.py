@@ -1543,17 +1543,19 @@ class Broker:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _reconcile_from_what_was_seen(self, entry: InvocationLog, status: int) -> None:
+    async def _reconcile_from_what_was_seen(self, entry: InvocationLog, status: int, left: CallerDisposition | None) -> None:
         """Another broker closed this record (its owner looked dead: cut off from the database
         longer than ``stale_after``) while this one held the upstream's complete answer. The
         events of the exchange can no longer be written, but what this broker saw can be
         appended as a finding: the outcome that status proves, certainty ``remote_response``.
-        Without it the record would say unknown, and invite a re-send of a completed operation."""
+        Without it the record would say unknown, and invite a re-send of a completed operation.
+        ``left``: how the caller left before the answer reached it (None: it was handed over)."""
         outcome = classify_status(status)
+        caller = ("the answer was handed to the caller flagged RESULT_STORE_FAILED" if left is None else
+                  f"the caller was no longer waiting ({left.value}), so nobody received the answer")
         note = (f"the broker that sent it ({self.owner}) received the upstream's complete answer, status {status}, "
                 "after another broker had closed the record as unknown (this broker could not reach the journal "
-                "meanwhile); the answer was handed to the caller flagged RESULT_STORE_FAILED, and its body is not "
-                "stored")
+                f"meanwhile); {caller}, and its body is not stored")
         try:
             row = await queries.invocation(self.journal.engine, entry.invocation_id)
             if row is None:
@@ -1585,6 +1587,21 @@ class Broker:
                   "reconciled as %s (the upstream answered %s, certainty remote_response). Nothing was re-sent; "
                   "the response body is not stored.", entry.invocation_id, outcome.value, status)
 
+    @staticmethod
+    async def _how_it_was_handed(
+        entry: InvocationLog, handed: asyncio.Future[CallerDisposition | None] | None
+    ) -> CallerDisposition | None:
+        """Whether the caller got an answer the journal refused (None), or how it left."""
+        if handed is None:  # no one was waiting: the caller's wait ended before, and is recorded
+            left = entry.record.caller_disposition
+            return CallerDisposition.DISCONNECTED if left is CallerDisposition.WAITING else left
+        try:  # the adapter settles it once the answer's last byte has left, or the caller is gone
+            return await asyncio.wait_for(asyncio.shield(handed), DELIVERY_CONFIRM_WAIT)
+        except TimeoutError:  # a reader slower than that: unconfirmed, so the record says fetch it
+            log.warning("invocation %s: the hand-over of its answer was not confirmed within %.0f s; taken as not "
+                        "delivered", entry.invocation_id, DELIVERY_CONFIRM_WAIT)
+            return CallerDisposition.DISCONNECTED
+
     async def _repair(self, entry: InvocationLog, status: int, handed: asyncio.Future[CallerDisposition | None] | None) -> None:
         """Record a complete result the journal refused, once the journal takes writes again.
 
@@ -1606,7 +1623,7 @@ class Broker:
                 await entry.resubmit()  # every failed write, in order (one that had landed counts as done)
                 break
             except LeaseLost:
-                await self._reconcile_from_what_was_seen(entry, status)
+                await self._reconcile_from_what_was_seen(entry, status, await self._how_it_was_handed(entry, handed))
                 return
             except JournalUnavailable:
                 if patience is not None and time.monotonic() > patience:
@@ -1616,18 +1633,7 @@ class Broker:
                               "closes the record as unknown: reconcile it then (the upstream answered %s).",
                               entry.invocation_id, status)
                 pause = min(pause * 2, 30.0)  # alone in its batch: a write that keeps failing fails nothing else
-        if handed is None:  # no one was waiting: the caller's wait ended before, and is recorded
-            left: CallerDisposition | None = entry.record.caller_disposition
-            if left is CallerDisposition.WAITING:
-                left = CallerDisposition.DISCONNECTED
-        else:
-            try:  # the adapter settles it once the answer's last byte has left, or the caller is gone
-                left = await asyncio.wait_for(asyncio.shield(handed), DELIVERY_CONFIRM_WAIT)
-            except TimeoutError:  # a reader slower than that: unconfirmed, so the record says fetch it
-                log.warning("invocation %s: the hand-over of its answer was not confirmed within %.0f s; recorded as "
-                            "not delivered (the result is stored: the caller can fetch it)",
-                            entry.invocation_id, DELIVERY_CONFIRM_WAIT)
-                left = CallerDisposition.DISCONNECTED
+        left = await self._how_it_was_handed(entry, handed)
         if left is None:
             entry.append(EventKind.RESULT_DELIVERED, channel="proxy", recorded_after_delivery=True)
         else:

@@ -1385,12 +1385,16 @@ def _closed_by_a_while_b_is_cut_off(a: BrokerProcess, relay: TcpRelay, marker: s
     return invocation_id
 
 
-def _reconciled_from_what_b_saw(a: BrokerProcess, b: BrokerProcess, invocation_id: str, upstream) -> None:
+def _reconciled_from_what_b_saw(a: BrokerProcess, b: BrokerProcess, invocation_id: str, upstream, *, handed: bool) -> None:
+    """``handed``: whether b's caller got the answer (flagged), which the finding's note says."""
     record = a.wait_for(invocation_id, lambda r: r.get("retry") == "never", timeout=20)
     assert record["outcome"] == "committed", record
     finding = record["events"][-1]
     assert finding["kind"] == "RECONCILED" and finding["data"]["certainty"] == "remote_response", finding
     assert finding["data"]["by"].startswith("broker broker-b/") and "status 200" in finding["data"]["note"], finding
+    caller = ("the answer was handed to the caller flagged RESULT_STORE_FAILED" if handed else
+              "the caller was no longer waiting (timed_out), so nobody received the answer")
+    assert caller in finding["data"]["note"], finding
     assert "this broker appended what it saw instead: reconciled as committed" in b.logs()
     assert len([r for r in upstream.received if r.method]) == 1, "the completed operation was not re-sent"
 
@@ -1408,7 +1412,7 @@ def test_a_broker_cut_off_while_another_closes_its_record_appends_the_answer_it_
             answer = pending.result(timeout=20)
         assert answer.status_code == 200 and answer.headers["affidavit-code"] == "RESULT_STORE_FAILED", answer.text
         relay.restore()
-        _reconciled_from_what_b_saw(a, b, invocation_id, upstream)
+        _reconciled_from_what_b_saw(a, b, invocation_id, upstream, handed=True)
         again = post(a, SAFE + "/h/slow?delay=4&n=cut", key)
         assert (again.status_code, check_envelope(again.content)["error"]["code"]) == (409, "RESULT_UNAVAILABLE"), again.text
 
@@ -1428,7 +1432,7 @@ def test_a_caller_timed_out_after_another_broker_closed_the_record_gets_the_504_
         assert (answer.status_code, body["invocation_id"], body["error"]["code"], body["error"]["outcome"]) == (
             504, invocation_id, "REMOTE_OUTCOME_UNKNOWN", "unknown"), body
         assert "Traceback" not in b.logs(), b.logs()[-3000:]
-        _reconciled_from_what_b_saw(a, b, invocation_id, upstream)
+        _reconciled_from_what_b_saw(a, b, invocation_id, upstream, handed=False)
 
 
 def test_a_second_live_broker_under_the_same_instance_name_does_not_take_the_first_ones_work(make_broker, upstream):
