@@ -915,7 +915,11 @@ class Broker:
         if (more := self._outage_lines.suffix("keyed check")) is not None:
             log.warning("a request with an idempotency key could not be checked against the journal, which did not "
                         "answer (%s); refused as JOURNAL_UNAVAILABLE, nothing sent%s", exc, more)
-        return self._journal_unavailable()
+        return self._journal_unavailable(message=(
+            "The broker could not check this request's idempotency key against its journal (the database did not "
+            "answer), so it sent nothing and recorded nothing. It cannot say whether the key names an earlier "
+            "operation, which may have had its effect: retry after a delay with the same key, never a new one; "
+            "operators: check the database."))
 
     async def _repeat_checked(
         self, row: dict[str, Any], req: AgentRequest, route: Route, request_fingerprint: str, key: str

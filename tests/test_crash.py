@@ -417,6 +417,9 @@ def test_an_unreachable_journal_fails_closed_and_the_broker_serves_again_when_it
             body = check_envelope(keyed.content)
             assert (keyed.status_code, body["error"]["code"], body["error"]["outcome"], body["error"]["retry"]) == (
                 503, "JOURNAL_UNAVAILABLE", "not_attempted", "backoff"), keyed.text
+            # Not "No invocation was recorded": the key may name one, which may have had its effect.
+            assert "cannot say whether the key names an earlier operation" in body["error"]["message"], body
+            assert "retry after a delay with the same key, never a new one" in body["error"]["message"], body
         assert httpx.get(broker.api_url + "/readyz", timeout=10).status_code == 503
         assert httpx.get(broker.api_url + "/healthz", timeout=10).status_code == 200
         with broker.api() as api:  # the side API says the journal is away, not a bare 500
