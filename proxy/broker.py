@@ -1984,8 +1984,9 @@ def malformed_request(req: AgentRequest, idempotency_header: str, contract_heade
     if _SPLITTER.search("".join([name + value for name, value in req.headers])):
         for name, value in req.headers:
             if _SPLITTER.search(name + value):
-                return (f"The request header {shown(name)!r} holds a control character (a line break, a NUL "
-                        "byte, ...), which would split the request sent upstream or be read differently there. "
+                folded = " (here a continuation line: HTTP/1's obsolete line folding)" if "\r\n " in value else ""
+                return (f"The request header {shown(name)!r} holds a control character{folded or ' (a line break, a NUL byte, ...)'}, "
+                        "which would split the request sent upstream or be read differently there. "
                         "Nothing was sent and no secret was touched. Send each header on one line, as text.")
     if not req.path.startswith("/"):
         return (f"The request target {shown(req.path)!r} is not a path beginning with '/' (origin-form, RFC 9112 "

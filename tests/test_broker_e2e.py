@@ -312,6 +312,22 @@ def test_a_request_line_saying_http2_on_an_http1_connection_is_refused_as_such(b
     assert upstream.received == []
 
 
+def test_a_folded_header_line_is_refused_as_such(broker: BrokerProcess, upstream: HostileUpstream):
+    """obs-fold (a header continued on a line that begins with a space): mitmproxy joins the lines
+    with the line break, which the broker refuses; the message says it was a fold."""
+    upstream.reset()
+    basic = base64.b64encode(f"builder:{broker.agents['builder'].token}".encode())
+    answer = _raw(broker.proxy_port, b"GET http://plain.example.test/h/ok HTTP/1.1\r\nHost: plain.example.test\r\n"
+                  b"X-Note: one\r\n two\r\nProxy-Authorization: Basic %s\r\n\r\n" % basic)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer[:300]
+    error = check_envelope(body)["error"]
+    assert (error["code"], error["outcome"]) == ("MALFORMED_REQUEST", "not_attempted"), error
+    assert ("The request header 'X-Note' holds a control character (here a continuation line: HTTP/1's obsolete "
+            "line folding)") in error["message"], error
+    assert upstream.received == []
+
+
 @pytest.mark.parametrize("token", [None, "wrong-token"])
 def test_missing_or_wrong_proxy_token_gets_407_and_nothing_is_sent(broker: BrokerProcess, upstream: HostileUpstream, token):
     auth = b"" if token is None else b"Proxy-Authorization: Basic " + base64.b64encode(f"builder:{token}".encode()) + b"\r\n"
