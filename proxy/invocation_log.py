@@ -299,6 +299,10 @@ class InvocationLog:
             except LeaseLost:  # another broker closed the record meanwhile: these can never be made
                 raise JournalUnavailable("an earlier write of this invocation failed, and another broker has "
                                          "closed the record since") from None
+            if result is not None:
+                # Still stashed, or taken meanwhile by a write nobody waits for (the caller left
+                # during the resend), which then carries it with its RESULT_COMMITTED: never twice.
+                result, self._result = self._result, None
         await self.submit(result=result, fence=fence, claim=claim)
         self.durable = True
 

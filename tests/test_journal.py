@@ -1059,3 +1059,117 @@ def test_settling_ends_each_unconfirmed_writes_session_once_and_no_one_elses(req
         return took
 
     assert asyncio.run(scenario()) < 2.0
+
+
+class _ScriptedJournal:
+    """A journal whose writes the test settles one by one: a unit test of InvocationLog's order
+    of writes, beside the tests above on real databases."""
+
+    def __init__(self) -> None:
+        from proxy.crypto import KeyRing, payload_codec
+
+        self.encode_payload = payload_codec(KeyRing.empty())
+        self.writes: list[Write] = []
+
+    def submit(self, write: Write) -> asyncio.Future[None]:
+        write.future = asyncio.get_running_loop().create_future()
+        self.writes.append(write)
+        return write.future
+
+    def defer(self, fn: Callable[..., object], *args: object) -> None:
+        pass
+
+    def settle(self, write: Write, error: Exception | None = None) -> None:
+        if error is None:
+            write.future.set_result(None)
+        else:
+            write.future.set_exception(error)
+
+    async def next_write(self, after: int) -> Write:
+        for _ in range(200):
+            if len(self.writes) > after:
+                return self.writes[after]
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"no write after the {after} seen")
+
+
+RESULT = {"invocation_id": "x", "status": 201, "headers": "[]", "body": b"{}", "body_sha256": "x",
+          "framing": "content-length", "key_id": None}
+
+
+def _dispatched(journal: _ScriptedJournal) -> InvocationLog:
+    entry = InvocationLog(journal, identity(), "test")  # type: ignore[arg-type]
+    entry.append(EventKind.ACTION_ACCEPTED, agent="builder")
+    entry.append(EventKind.PREFLIGHT_VALIDATED, route="payments.create")
+    entry.append(EventKind.CREDENTIAL_AUTHORIZED, credential_id="payments-key")
+    entry.append(EventKind.DISPATCH_STARTED, attempt=1, connection="new")
+    return entry
+
+
+def test_a_result_whose_resend_failed_goes_with_its_events_in_the_next_write():
+    asyncio.run(_test_a_result_whose_resend_failed_goes_with_its_events_in_the_next_write())
+
+
+async def _test_a_result_whose_resend_failed_goes_with_its_events_in_the_next_write():
+    """A lost progress write must be sent again before the result's; when that resend fails, the
+    result's own write is never made: the result stays with its RESULT_COMMITTED for the next
+    write of the buffered events (the delivery repair's), which carries it exactly once."""
+    journal = _ScriptedJournal()
+    entry = _dispatched(journal)
+    commit = asyncio.ensure_future(entry.commit())
+    journal.settle(await journal.next_write(0))
+    await commit
+    entry.append(EventKind.REQUEST_SENT)
+    entry.submit_quietly()
+    journal.settle(journal.writes[1], JournalUnavailable("away"))  # the progress write is lost
+    await asyncio.sleep(0)
+    entry.append(EventKind.REMOTE_RESPONSE_COMPLETE, status=201, framing="content-length")
+    entry.append(EventKind.RESULT_COMMITTED)
+    commit = asyncio.ensure_future(entry.commit(result=RESULT))
+    journal.settle(await journal.next_write(2), JournalUnavailable("still away"))  # its resend fails
+    with pytest.raises(JournalUnavailable):
+        await commit
+    assert len(journal.writes) == 3, "the result's own write was not made"
+    repair = asyncio.ensure_future(entry.resubmit())
+    journal.settle(await journal.next_write(3))
+    await repair
+    entry.append(EventKind.RESULT_DELIVERED, channel="proxy")
+    commit = asyncio.ensure_future(entry.commit())
+    write = await journal.next_write(4)
+    journal.settle(write)
+    await commit
+    assert write.result is RESULT and [e.kind for e in write.events] == ["REMOTE_RESPONSE_COMPLETE", "RESULT_COMMITTED",
+                                                                         "RESULT_DELIVERED"]
+    assert [w for w in journal.writes if w.result is not None] == [write], "once"
+
+
+def test_a_result_taken_by_a_write_nobody_waits_for_during_its_resend_is_not_written_again():
+    asyncio.run(_test_a_result_taken_by_a_write_nobody_waits_for_during_its_resend_is_not_written_again())
+
+
+async def _test_a_result_taken_by_a_write_nobody_waits_for_during_its_resend_is_not_written_again():
+    """The caller leaves while the result's commit resends a lost write: the write of its leaving
+    (nobody waits for it) takes the buffered events and the result with them; the commit then
+    writes what is left, without the result."""
+    journal = _ScriptedJournal()
+    entry = _dispatched(journal)
+    commit = asyncio.ensure_future(entry.commit())
+    journal.settle(await journal.next_write(0))
+    await commit
+    entry.append(EventKind.REQUEST_SENT)
+    entry.submit_quietly()
+    journal.settle(journal.writes[1], JournalUnavailable("away"))
+    await asyncio.sleep(0)
+    entry.append(EventKind.REMOTE_RESPONSE_COMPLETE, status=201, framing="content-length")
+    entry.append(EventKind.RESULT_COMMITTED)
+    commit = asyncio.ensure_future(entry.commit(result=RESULT))
+    resend = await journal.next_write(2)
+    entry.append(EventKind.CALLER_CANCELLED, disposition="disconnected")
+    entry.submit_quietly()
+    journal.settle(resend)
+    journal.settle(await journal.next_write(3))
+    journal.settle(await journal.next_write(4))
+    await commit
+    carrying = [w for w in journal.writes if w.result is not None]
+    assert carrying == [journal.writes[3]], [(len(w.events), w.result is not None) for w in journal.writes]
+    assert "RESULT_COMMITTED" in [e.kind for e in carrying[0].events]
