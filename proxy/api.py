@@ -84,8 +84,12 @@ def _no_endpoint(request: Request, exc: StarletteHTTPException) -> JSONResponse:
                         {"Allow": allowed})
     if request.scope.get(ABSOLUTE_FORM):  # GET http://upstream/...: sent here as to a proxy
         return _problem(404, "Not Found", f"{request.method} {shown(str(request.url))}: {NOT_THE_PROXY}")
+    return _no_such_endpoint(asked, "none ends with a slash")
+
+
+def _no_such_endpoint(asked: str, why: str) -> JSONResponse:
     return _problem(404, "Not Found", f"{asked}: the side API has no such endpoint (the paths are listed at "
-                    "/openapi.json and in docs/api.md; none ends with a slash).")
+                    f"/openapi.json and in docs/api.md; {why}).")
 
 
 # What each error answer means, for /openapi.json (docs/api.md says the same at more length).
@@ -182,12 +186,10 @@ class EncodedSlash:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        raw = scope.get("raw_path") if scope["type"] == "http" else None
-        if raw and b"%2f" in raw.lower():
+        raw = scope.get("raw_path") if scope["type"] == "http" and not scope.get(ABSOLUTE_FORM) else None
+        if raw and b"%2f" in raw.lower():  # (a request in absolute-form gets the router's "not the proxy")
             asked = f"{scope['method']} {shown(raw.decode('latin-1').partition('?')[0])}"
-            response = _problem(404, "Not Found", f"{asked}: the side API has no such endpoint (an encoded '/', %2F, is "
-                                "part of no path or id; the paths are listed at /openapi.json and in docs/api.md).")
-            return await response(scope, receive, send)
+            return await _no_such_endpoint(asked, "an encoded '/', %2F, is part of none, nor of any id")(scope, receive, send)
         return await self.app(scope, receive, send)
 
 

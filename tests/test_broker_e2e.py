@@ -1960,6 +1960,9 @@ def test_a_client_that_takes_the_side_api_for_the_proxy_is_told_so(broker: Broke
         answer = _seen(mistaken.get("http://api.payments.test/v1/charges"))
         assert answer.status_code == 404 and "not its proxy" in answer.json()["detail"], answer.text
         assert "http://api.payments.test/v1/charges" in answer.json()["detail"]
+        # A GitLab-style id with an encoded '/' is told the same, not "an encoded '/' is part of no path".
+        answer = _seen(mistaken.get("http://api.payments.test/api/v4/projects/group%2Fproject"))
+        assert answer.status_code == 404 and "not its proxy" in answer.json()["detail"], answer.text
         with pytest.raises(httpx.ProxyError, match="400"):
             mistaken.get("https://api.payments.test/v1/charges")
     with httpx.Client(base_url=broker.api_url, timeout=10) as anyone:  # a path that is none, asked directly
