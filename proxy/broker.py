@@ -1547,16 +1547,23 @@ class Broker:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _reconcile_from_what_was_seen(self, entry: InvocationLog, status: int, left: CallerDisposition | None) -> None:
+    async def _reconcile_from_what_was_seen(
+        self, entry: InvocationLog, status: int, handed: asyncio.Future[CallerDisposition | None] | None
+    ) -> None:
         """Another broker closed this record (its owner looked dead: cut off from the database
         longer than ``stale_after``) while this one held the upstream's complete answer. The
         events of the exchange can no longer be written, but what this broker saw can be
         appended as a finding: the outcome that status proves, certainty ``remote_response``.
         Without it the record would say unknown, and invite a re-send of a completed operation.
-        ``left``: how the caller left before the answer reached it (None: it was handed over)."""
+        It is appended at once, so the note says what is known of the hand-over now (``handed``,
+        as for :meth:`_repair`), without waiting for a slow reader."""
         outcome = classify_status(status)
-        caller = ("the answer was handed to the caller flagged RESULT_STORE_FAILED" if left is None else
-                  f"the caller was no longer waiting ({left.value}), so nobody received the answer")
+        if handed is not None and not handed.done():
+            caller = "the answer was being handed to the caller, flagged RESULT_STORE_FAILED, not yet confirmed"
+        elif (left := handed.result() if handed is not None else _recorded_leaving(entry)) is None:
+            caller = "the answer was handed to the caller flagged RESULT_STORE_FAILED"
+        else:
+            caller = f"the caller was no longer waiting ({left.value}), so nobody received the answer"
         note = (f"the broker that sent it ({self.owner}) received the upstream's complete answer, status {status}, "
                 "after another broker had closed the record as unknown (this broker could not reach the journal "
                 f"meanwhile); {caller}, and its body is not stored")
@@ -1596,14 +1603,14 @@ class Broker:
         entry: InvocationLog, handed: asyncio.Future[CallerDisposition | None] | None
     ) -> CallerDisposition | None:
         """Whether the caller got an answer the journal refused (None), or how it left."""
-        if handed is None:  # no one was waiting: the caller's wait ended before, and is recorded
-            left = entry.record.caller_disposition
-            return CallerDisposition.DISCONNECTED if left is CallerDisposition.WAITING else left
+        if handed is None:
+            return _recorded_leaving(entry)
         try:  # the adapter settles it once the answer's last byte has left, or the caller is gone
             return await asyncio.wait_for(asyncio.shield(handed), DELIVERY_CONFIRM_WAIT)
         except TimeoutError:  # a reader slower than that: unconfirmed, so the record says fetch it
-            log.warning("invocation %s: the hand-over of its answer was not confirmed within %.0f s; taken as not "
-                        "delivered", entry.invocation_id, DELIVERY_CONFIRM_WAIT)
+            log.warning("invocation %s: the hand-over of its answer was not confirmed within %.0f s; recorded as "
+                        "not delivered (the result is stored: the caller can fetch it)",
+                        entry.invocation_id, DELIVERY_CONFIRM_WAIT)
             return CallerDisposition.DISCONNECTED
 
     async def _repair(self, entry: InvocationLog, status: int, handed: asyncio.Future[CallerDisposition | None] | None) -> None:
@@ -1627,7 +1634,7 @@ class Broker:
                 await entry.resubmit()  # every failed write, in order (one that had landed counts as done)
                 break
             except LeaseLost:
-                await self._reconcile_from_what_was_seen(entry, status, await self._how_it_was_handed(entry, handed))
+                await self._reconcile_from_what_was_seen(entry, status, handed)
                 return
             except JournalUnavailable:
                 if patience is not None and time.monotonic() > patience:
@@ -2269,6 +2276,13 @@ def _message(code: Code, outcome: Outcome, message: str | None = None) -> str:
 
 
 T = TypeVar("T")
+
+
+def _recorded_leaving(entry: InvocationLog) -> CallerDisposition:
+    """How the caller left, when no one was waiting for an answer the journal refused: its wait
+    ended before, and is recorded."""
+    left = entry.record.caller_disposition
+    return CallerDisposition.DISCONNECTED if left is CallerDisposition.WAITING else left
 
 
 class _Unreadable(Exception):
