@@ -196,15 +196,21 @@ def http2_refused(why: str) -> http.Response:
     )
 
 
-def http2_over_http1() -> http.Response:
-    """A request line that says ``HTTP/2.0`` on an HTTP/1 connection (HTTP/2 is spoken only where
-    TLS negotiated it, ALPN ``h2``): mitmproxy reads it as HTTP/1 but calls it HTTP/2, so neither
-    version's rules would be the ones it was checked by."""
-    log.info("refused a request line saying HTTP/2.0 on an HTTP/1 connection: 400 %s", Code.MALFORMED_REQUEST.value)
+def wrong_http1_version(flow: http.HTTPFlow) -> http.Response | None:
+    """The refusal of a request line (a CONNECT's too) on an HTTP/1 connection that names another
+    version than HTTP/1.0 or HTTP/1.1, else None. mitmproxy reads ``HTTP/2.0`` (or ``HTTP/3.0``,
+    ``HTTP/1.9``) there as HTTP/1 but calls it that version, so neither version's rules would be
+    the ones it was checked by (HTTP/2 is spoken only where TLS negotiated it, ALPN ``h2``)."""
+    version = flow.request.http_version
+    if version in ("HTTP/1.1", "HTTP/1.0") or flow.client_conn.alpn == b"h2" or flow.request.is_http3:
+        return None
+    log.info("refused a request line saying %s on an HTTP/1 connection: 400 %s", shown(version, 20),
+             Code.MALFORMED_REQUEST.value)
     return _refusal(
         400, Code.MALFORMED_REQUEST,
-        "The request line says HTTP/2.0, but this connection speaks HTTP/1 (HTTP/2 is spoken only inside TLS, "
-        "negotiated as h2). Nothing was sent upstream and nothing was recorded. Send the request as HTTP/1.1.",
+        f"The request line says {shown(version, 20)}, but this connection speaks HTTP/1 (HTTP/1.1 or HTTP/1.0; HTTP/2 "
+        "is spoken only inside TLS, negotiated as h2). Nothing was sent upstream and nothing was recorded. Send the "
+        "request as HTTP/1.1.",
     )
 
 
@@ -905,6 +911,9 @@ class BrokerAddon:
                     "CONNECT needs the target as host:port (CONNECT api.example.com:443). No tunnel was opened; "
                     "nothing was sent and nothing was recorded.")
                 return
+            if (wrong := wrong_http1_version(flow)) is not None:
+                flow.response = wrong
+                return
             self.auth.connect(flow)
         except Exception:  # never fail open
             log.exception("proxy authentication failed unexpectedly")
@@ -943,8 +952,8 @@ class BrokerAddon:
         try:
             if flow.response is None and self.auth.agent_of(flow) is None:
                 flow.response = self.auth.refusal(flow)
-            elif flow.response is None and flow.request.is_http2 and flow.client_conn.alpn != b"h2":
-                flow.response = http2_over_http1()
+            elif flow.response is None and (wrong := wrong_http1_version(flow)) is not None:
+                flow.response = wrong
             elif flow.response is None and flow.request.is_http2 and (why := http2_malformed(flow.request)) is not None:
                 flow.response = http2_refused(why)
         except Exception:

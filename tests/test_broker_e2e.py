@@ -293,21 +293,25 @@ def test_a_connect_without_host_and_port_opens_no_tunnel(broker: BrokerProcess, 
     assert upstream.received == []
 
 
-@pytest.mark.parametrize("auth_name", [b"Proxy-Authorization", b"proxy-authorization"])
-def test_a_request_line_saying_http2_on_an_http1_connection_is_refused_as_such(broker: BrokerProcess, upstream: HostileUpstream,
-                                                                                auth_name: bytes):
+@pytest.mark.parametrize("version,auth_name", [(b"HTTP/2.0", b"Proxy-Authorization"), (b"HTTP/2.0", b"proxy-authorization"),
+                                               (b"HTTP/3.0", b"Proxy-Authorization"), (b"HTTP/1.9", b"Proxy-Authorization")])
+@pytest.mark.parametrize("method", [b"GET", b"CONNECT"])
+def test_a_request_line_with_another_version_on_an_http1_connection_is_refused_as_such(
+        broker: BrokerProcess, upstream: HostileUpstream, version: bytes, auth_name: bytes, method: bytes):
     """mitmproxy reads ``GET ... HTTP/2.0`` on an HTTP/1 connection and calls it HTTP/2: it was
     refused for 'Proxy-Authorization' not being a valid HTTP/2 field name, and with the header in
-    lower case forwarded (as HTTP/1.1). Either way it is refused for what it is, unrecorded."""
+    lower case forwarded (as HTTP/1.1), as were other versions; a CONNECT opened its tunnel.
+    Each is refused for what it is, unrecorded."""
     upstream.reset()
     basic = base64.b64encode(f"builder:{broker.agents['builder'].token}".encode())
-    answer = _raw(broker.proxy_port, b"GET http://plain.example.test/h/ok HTTP/2.0\r\nhost: plain.example.test\r\n%s: Basic %s\r\n\r\n"
-                  % (auth_name, basic))
+    target = b"plain.example.test:80" if method == b"CONNECT" else b"http://plain.example.test/h/ok"
+    answer = _raw(broker.proxy_port, b"%s %s %s\r\nhost: plain.example.test\r\n%s: Basic %s\r\n\r\n"
+                  % (method, target, version, auth_name, basic))
     head, _, body = answer.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 400") or head.startswith(b"HTTP/2.0 400"), answer[:300]
+    assert head.startswith(b"HTTP/1.1 400 "), answer[:300]
     error = check_envelope(body)["error"]
     assert (error["code"], error["outcome"]) == ("MALFORMED_REQUEST", "not_attempted"), error
-    assert "The request line says HTTP/2.0, but this connection speaks HTTP/1" in error["message"], error
+    assert f"The request line says {version.decode()}, but this connection speaks HTTP/1" in error["message"], error
     assert json.loads(body)["invocation_id"] is None
     assert upstream.received == []
 
