@@ -1816,11 +1816,17 @@ class Broker:
         # stays unknown (as with _lease_lost: only earlier dispatches count, never the refused one).
         earlier = entry.record.dispatch_count - (1 if refused_dispatch else 0) if entry is not None else 0
         outcome = Outcome.UNKNOWN if earlier > 0 and invocation_id is not None else Outcome.NOT_ATTEMPTED
+        # During a stop the journal refuses what comes after its last batch: no database trouble.
+        cannot, check = (("The broker is stopping (a restart or a scale-down) and its journal takes no more writes", "")
+                         if self.stopping else ("The broker cannot write its journal", "; operators: check the database"))
+        if self.stopping and message is None:
+            log.info("a request reached its journal write after the stop had closed the journal: 503 %s, nothing sent",
+                     Code.JOURNAL_UNAVAILABLE.value)
         if message is None and outcome is Outcome.UNKNOWN:
-            message = (f"The broker cannot write its journal, so this attempt sent nothing (it never forwards without a "
+            message = (f"{cannot}, so this attempt sent nothing (it never forwards without a "
                        f"durable record). An earlier attempt of invocation {invocation_id} was sent, so its outcome "
                        "stays unknown. Retry after a delay with the same key (GET /v1/invocations/{id} says what a "
-                       "repeat may do); operators: check the database.")
+                       f"repeat may do){check}.")
         elif message is None and invocation_id is None:
             if unconfirmed and entry is not None:
                 landed = (f", unless its write reached the database unconfirmed: then invocation {entry.invocation_id} "
@@ -1831,16 +1837,16 @@ class Broker:
                           "is closed as not attempted once the database answers")
             else:
                 landed = ""
-            message = ("The broker cannot write its journal, so it sent nothing (it never forwards without a durable "
-                       f"record). No invocation was recorded{landed}. Retry after a delay; operators: check the database.")
+            message = (f"{cannot}, so it sent nothing (it never forwards without a durable "
+                       f"record). No invocation was recorded{landed}. Retry after a delay{check}.")
         elif message is None:
-            message = (f"The broker cannot write its journal, so it sent nothing (it never forwards without a durable "
+            message = (f"{cannot}, so it sent nothing (it never forwards without a durable "
                        f"record). Invocation {invocation_id} stays open until the database answers, then it is "
                        "closed as not attempted" + (
                            ", or as unknown if its DISPATCH_STARTED reached the database unconfirmed (nothing was "
                            "sent, but the record cannot prove it: its retry hint then says what a repeat may do, "
                            "GET /v1/invocations/{id})" if unconfirmed else "") +
-                       ". Retry after a delay with the same key; operators: check the database.")
+                       f". Retry after a delay with the same key{check}.")
         body = envelope(invocation_id, Code.JOURNAL_UNAVAILABLE, Phase.VALIDATION, outcome, Retry.BACKOFF,
                         message, {"dispatch_started": outcome is Outcome.UNKNOWN})
         headers = [("Content-Type", MEDIA_TYPE), ("Retry-After", "1"), (CODE_HEADER, Code.JOURNAL_UNAVAILABLE.value),

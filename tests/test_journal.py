@@ -963,7 +963,7 @@ def test_the_answer_a_cut_off_broker_saw_is_never_appended_over_what_came_after(
                                        .values(generation=row["generation"] + 1, owner="broker-a/1"))
             else:
                 await decisions.reconcile(journal, row, Outcome.REJECTED, "remote_query", "ref-1", "no charge", "op")
-            await broker._reconcile_from_what_was_seen(entry, 500)  # 500 would say committed
+            await broker._reconcile_from_what_was_seen(entry, 500, None)  # 500 would say committed
             _, stored = await queries.events_of(journal.engine, entry.invocation_id, journal.decode_payload)
             return project(stored), sum(e.kind is EventKind.RECONCILED for e in stored)
         finally:
@@ -1173,3 +1173,29 @@ async def _test_a_result_taken_by_a_write_nobody_waits_for_during_its_resend_is_
     carrying = [w for w in journal.writes if w.result is not None]
     assert carrying == [journal.writes[3]], [(len(w.events), w.result is not None) for w in journal.writes]
     assert "RESULT_COMMITTED" in [e.kind for e in carrying[0].events]
+
+
+def test_a_write_the_stop_refuses_is_told_the_broker_is_stopping_not_to_check_the_database(db, monkeypatch, caplog):
+    """A request that reaches a journal write after the stop closed the journal (accepted just
+    before the proxy stopped listening) was told 'The broker cannot write its journal ...;
+    operators: check the database', and nothing was logged (found by a probe)."""
+    async def scenario() -> tuple[dict, dict]:
+        journal = Journal(make_engine(db), writer="w1")
+        await journal.start()
+        try:
+            broker = _in_process_broker(db, monkeypatch, journal)
+            before = json.loads(broker._journal_unavailable().body)
+            broker.stopping = True
+            return before, json.loads(broker._journal_unavailable().body)
+        finally:
+            await journal.close()
+            await journal.engine.dispose()
+
+    caplog.set_level("INFO", logger="affidavit.broker")
+    before, during = asyncio.run(scenario())
+    assert "operators: check the database" in before["error"]["message"]
+    message = during["error"]["message"]
+    assert message.startswith("The broker is stopping (a restart or a scale-down) and its journal takes no more writes, "
+                              "so it sent nothing"), message
+    assert "check the database" not in message and during["error"]["retry"] == "backoff"
+    assert "after the stop had closed the journal" in caplog.text
