@@ -901,15 +901,15 @@ class Broker:
                           "it (docs/operations.md, Upgrading)%s", exc, more)
             return self._journal_unavailable(message=(
                 "The record this idempotency key is bound to was written by a newer version of the broker than this "
-                "one, which cannot read it, so it sent nothing. Retry after a delay (an upgraded broker can answer "
-                "it); operators: upgrade this broker."))
+                "one, which cannot read it, so it sent nothing. Retry after a delay with the same key, never a new "
+                "one (an upgraded broker can answer it); operators: upgrade this broker."))
         if exc.why == "decrypt":
             log.warning("a request with an idempotency key could not be checked against its invocation's record: %s; "
                         "refused as JOURNAL_UNAVAILABLE, nothing sent. Put the key back in [crypto] keys.", exc)
             return self._journal_unavailable(message=(
                 "The broker cannot read the record this idempotency key is bound to (it was encrypted under a key "
-                "this broker no longer has), so it sent nothing. Retry after a delay; operators: put the old key "
-                "back in [crypto] keys."))
+                "this broker no longer has), so it sent nothing. Retry after a delay with the same key, never a new "
+                "one (the operation it names may have had its effect); operators: put the old key back in [crypto] keys."))
         # One line per request would flood the log in an outage under load (the journal's own
         # failure lines are throttled the same way).
         if (more := self._outage_lines.suffix("keyed check")) is not None:

@@ -122,7 +122,12 @@ def env(
     from .app import env_lines
 
     settings = settings_or_exit(config)
-    if agent is None and settings.agents:
+    if agent is None and not settings.agents:
+        # Exports for a made-up 'AGENT' with the token 'TOKEN' would only fail later, as 407s.
+        typer.echo("affidavit: no [[agents]] are configured, so the proxy refuses every request; add one "
+                   "(docs/configuration.md), then run this again", err=True)
+        raise typer.Exit(2)
+    if agent is None:
         agent = settings.agents[0].name
     names = [a.name for a in settings.agents]
     if agent is not None and token is None and agent not in names:  # with --token the name is taken as given

@@ -52,7 +52,7 @@ def decode(body: bytes, codings: list[str], limit: int) -> bytes:
             body = _DECODERS[coding](body, limit)
         except Undecodable:
             raise
-        except Exception:  # zlib.error, zstandard.ZstdError: a corrupt stream
+        except (zlib.error, zstandard.ZstdError, EOFError):  # a corrupt stream
             # The library's own wording ("Error -3 while decompressing data: ...") tells the agent
             # and the operator nothing more, and the reason is the broker's words only.
             raise Undecodable(f"{coding}: the compressed data is corrupt") from None

@@ -88,6 +88,7 @@ def test_a_record_a_newer_broker_wrote_is_refused_plainly_and_nothing_is_sent(ma
     assert (repeat.status_code, body["error"]["code"], body["error"]["outcome"], body["error"]["retry"]) == \
         (503, "JOURNAL_UNAVAILABLE", "not_attempted", "backoff"), repeat.text
     assert "written by a newer version of the broker" in body["error"]["message"], body
+    assert "with the same key, never a new one" in body["error"]["message"], body
     assert len([r for r in upstream.received if r.method]) == sent, "nothing was sent"
 
     with broker.api(broker.operator_token) as api:

@@ -247,6 +247,7 @@ def test_a_keyed_repeat_of_a_record_under_a_key_no_longer_listed_says_so_not_tha
     error = body["error"]
     assert (error["code"], error["outcome"], body["invocation_id"]) == ("JOURNAL_UNAVAILABLE", "not_attempted", None), body
     assert "did not answer" not in error["message"] and "encrypted under a key this broker no longer has" in error["message"]
+    assert "with the same key, never a new one" in error["message"], error
     assert body["evidence"]["dispatch_started"] is False
     assert len(upstream.received) == sent, "nothing was sent"
     logged = broker.logs()

@@ -628,7 +628,9 @@ def test_run_example_keeps_a_token_file_already_there_and_says_so(example_dir: P
     (example_dir / ".affidavit" / "builder.token").write_text(old + "\n")
     proxy_listen, api_listen = (f"127.0.0.1:{port}" for port in free_ports(2))
     env = clean_env(AFFIDAVIT_PROXY__LISTEN=proxy_listen, AFFIDAVIT_API__LISTEN=api_listen)
-    proc, printed = _serve_until_banner(["--example"], example_dir, env, "export AFFIDAVIT_API_URL=", tmp_path)
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    proc, printed = _serve_until_banner(["--example"], example_dir, env, "export AFFIDAVIT_API_URL=", tmp_path / "first")
     try:
         assert ("affidavit: wrote an example configuration to affidavit.toml "
                 "(tokens in .affidavit/; builder.token was there already and kept)") in printed.splitlines()
@@ -641,12 +643,13 @@ def test_run_example_keeps_a_token_file_already_there_and_says_so(example_dir: P
     finally:
         _stop(proc)
     # Run again: the configuration exists now, and --example says it left it alone.
-    proc, printed = _serve_until_banner(["--example"], example_dir, env, "export AFFIDAVIT_API_URL=", tmp_path)
+    proc, printed = _serve_until_banner(["--example"], example_dir, env, "export AFFIDAVIT_API_URL=", tmp_path / "second")
     try:
         assert "affidavit: affidavit.toml exists; --example left it as it is and runs it" in printed.splitlines()
     finally:
         _stop(proc)
-    assert old not in (tmp_path / "run.out").read_text() + (tmp_path / "run.err").read_text()
+    for run in ("first", "second"):
+        assert old not in (tmp_path / run / "run.out").read_text() + (tmp_path / run / "run.err").read_text()
 
 
 def test_a_broker_without_agents_says_it_refuses_every_request(tmp_path: Path):
@@ -676,6 +679,10 @@ url = "sqlite+aiosqlite:///{tmp_path / 'journal.db'}"
         assert refused.status_code == 407, refused.text
     finally:
         _stop(proc)
+    # `affidavit env` says the same, rather than print exports for 'AGENT' with the token 'TOKEN'.
+    done = subprocess.run([AFFIDAVIT, "env", "-c", str(config)], env=clean_env(), capture_output=True, timeout=60)
+    assert (done.returncode, done.stdout) == (2, b""), done
+    assert b"affidavit: no [[agents]] are configured, so the proxy refuses every request" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("ports", ["default", "chosen"])
