@@ -310,7 +310,9 @@ async def serve(
     )
     api.install_signal_handlers = lambda: None  # type: ignore[method-assign]
 
-    def stop() -> None:
+    def stop(sig: signal.Signals | None = None) -> None:
+        if sig is not None and not broker.stopping:  # which signal, so a stop nobody expected can be traced
+            log.warning("received %s: stopping (no new requests; those in flight end with what is known)", sig.name)
         broker.stopping = True  # before mitmproxy cuts the agents' connections: not their leaving
         # A connection accepted as the listener closes may never get its handler started; Python
         # then warns about the handler's coroutine when it is collected (see cut_by_the_stop).
@@ -339,7 +341,7 @@ async def serve(
     # that leaves the requests in flight to another broker's recovery.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         try:
-            loop.add_signal_handler(sig, stop)
+            loop.add_signal_handler(sig, stop, sig)
         except NotImplementedError:  # pragma: no cover - non-Unix
             pass
 

@@ -11,7 +11,8 @@ journal, which already serves several brokers (leases, fencing, recovery).
   that exits during start-up stops the others, and the supervisor exits 1.
 * Running: a worker that dies is restarted at once (its earlier incarnation's in-flight records
   are recovered by the new one when it starts, see proxy/recovery.py). Five deaths of serving
-  workers within a minute stop everything: something is wrong that a restart will not fix. A
+  workers within a minute stop everything: something is wrong that a restart will not fix (a
+  worker stopped cleanly, by a signal sent to it alone, is restarted and counts for nothing). A
   restart that fails before the worker is ready (the database is down, say) is tried again after
   a wait that doubles per failure (1 s up to 30 s) and stops nothing: the other workers go on
   serving, as one broker does through an outage.
@@ -46,6 +47,9 @@ log = logging.getLogger("affidavit.workers")
 READY_PREFIX = "affidavit: worker "
 #: Serving workers that died this often within ``CRASH_WINDOW`` seconds stop the broker.
 CRASH_LIMIT, CRASH_WINDOW = 5, 60.0
+#: Clean stops of single workers (exit status 0) within ``CRASH_WINDOW`` that are restarted
+#: without counting as deaths; one more counts (a worker that keeps ending by itself).
+CLEAN_STOP_LIMIT = 20
 #: After a restart that failed before the worker was ready, the next waits this long, doubling
 #: per failure in a row up to the second figure.
 RESTART_BACKOFF = (1.0, 30.0)
@@ -214,6 +218,7 @@ def _watch(pool: list[Worker], stopping: threading.Event, metrics_dir: str) -> i
     from prometheus_client import multiprocess
 
     deaths: deque[float] = deque()
+    clean: deque[float] = deque()
     while not stopping.wait(0.2):
         for worker in pool:
             assert worker.process is not None
@@ -243,10 +248,16 @@ def _watch(pool: list[Worker], stopping: threading.Event, metrics_dir: str) -> i
                     extra={"worker": worker.index, "pid": pid, "exit": how, "retry_in_s": delay},
                 )
                 continue
+            if code == 0 and _recent(clean, now) < CLEAN_STOP_LIMIT:
+                # A clean stop of this worker alone (a signal sent to it, which it logged): asked
+                # for, so no death towards CRASH_LIMIT; only endlessly many of them stop the broker.
+                clean.append(now)
+                log.warning("worker %d (pid %d) stopped cleanly (exit status 0: a signal to it alone, say); restarting it",
+                            worker.index, pid, extra={"worker": worker.index, "pid": pid, "exit": how})
+                worker.start()
+                continue
             deaths.append(now)
-            while deaths and deaths[0] < now - CRASH_WINDOW:
-                deaths.popleft()
-            if len(deaths) >= CRASH_LIMIT:
+            if _recent(deaths, now) >= CRASH_LIMIT:
                 log.error(
                     "workers died %d times within %.0fs while serving (worker %d: %s); stopping the broker. See the "
                     "log above for why.", len(deaths), CRASH_WINDOW, worker.index, how,
@@ -259,6 +270,13 @@ def _watch(pool: list[Worker], stopping: threading.Event, metrics_dir: str) -> i
             )
             worker.start()
     return 0
+
+
+def _recent(times: deque[float], now: float) -> int:
+    """How many of ``times`` fall within the last ``CRASH_WINDOW`` seconds (older ones dropped)."""
+    while times and times[0] < now - CRASH_WINDOW:
+        times.popleft()
+    return len(times)
 
 
 def _exit_of(code: int) -> str:

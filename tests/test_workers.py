@@ -129,6 +129,34 @@ def test_a_worker_that_keeps_dying_stops_the_broker(pg_url, make_broker, upstrea
     assert upstream.effects == 0
 
 
+def test_workers_stopped_one_by_one_with_a_signal_are_restarted_and_stop_nothing(pg_url, make_broker, upstream):
+    """SIGTERM (or SIGHUP) to single workers, more often than five times a minute (an operator
+    recycling them): each says which signal it got, each is restarted, and the broker serves on.
+    Counted as deaths, five of them had stopped the broker ("workers died 5 times ... See the log
+    above for why", with nothing above saying why)."""
+    broker = make_broker(db_url=pg_url, proxy={"workers": 2})
+    assert broker.proc is not None
+    for n in range(6):
+        ready = len(re.findall(r"affidavit: worker \d ready \(pid (\d+)\)", broker.logs()))
+        pid = int(re.findall(r"affidavit: worker \d ready \(pid (\d+)\)", broker.logs())[-1])
+        os.kill(pid, signal.SIGHUP if n % 2 else signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while len(re.findall(r"affidavit: worker \d ready", broker.logs())) == ready and time.monotonic() < deadline:
+            assert broker.proc.poll() is None, broker.logs()[-3000:]
+            time.sleep(0.1)
+        assert len(re.findall(r"affidavit: worker \d ready", broker.logs())) == ready + 1, broker.logs()[-3000:]
+    with broker.client() as client:
+        assert client.post(PAY + "/h/ok", content=b"{}").status_code == 200
+    assert broker.proc.poll() is None
+    entries = broker.log_entries()
+    received = [e["msg"] for e in entries if e["msg"].startswith("received SIG")]
+    assert received == ["received SIGTERM: stopping (no new requests; those in flight end with what is known)",
+                        "received SIGHUP: stopping (no new requests; those in flight end with what is known)"] * 3, received
+    clean = [e for e in entries if "stopped cleanly" in e["msg"]]
+    assert len(clean) == 6 and all(e["level"] == "warning" for e in clean), clean
+    assert not [e for e in entries if "stopping the broker" in e["msg"] or "workers died" in e["msg"]]
+
+
 def test_a_worker_that_cannot_restart_through_an_outage_stops_nothing_and_serves_again(pg_url, make_broker, upstream):
     """A worker killed while the database is down cannot start again (every start checks the
     journal); its restarts wait longer each time and are not the crash loop that stops the broker:
