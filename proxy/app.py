@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import gc
 import logging
@@ -308,16 +309,43 @@ async def serve(
             date_header=False,
         )
     )
+    # The broker's stop stops the side API too (below): uvicorn must not take the signals itself.
+    # Older releases install handlers; newer ones capture the signals while serving, stop the API
+    # at once (before the proxy's drain) and raise each again when done.
     api.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    api.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+
+    draining: list[asyncio.Task[None]] = []
 
     def stop(sig: signal.Signals | None = None) -> None:
-        if sig is not None and not broker.stopping:  # which signal, so a stop nobody expected can be traced
-            log.warning("received %s: stopping (no new requests; those in flight end with what is known)", sig.name)
+        """A signal drains first (``[proxy] drain``), then stops; a second signal, or a stop
+        with no signal (the supervisor gone, the proxy ended), stops at once."""
+        if sig is not None and not broker.stopping and not broker.draining:  # which signal: a stop nobody expected can be traced
+            log.warning("received %s: stopping; nothing new is sent, and the exchanges already sent have up to %g s "
+                        "([proxy] drain) to end before the rest are cut", sig.name, settings.proxy.drain)
+            broker.draining = True
+            draining.append(asyncio.get_running_loop().create_task(drain_then_stop(), name="drain"))
+            return
+        if sig is not None and not broker.stopping:
+            log.warning("received %s again: stopping now; what is still in flight is cut and ends with what is known",
+                        sig.name)
         broker.stopping = True  # before mitmproxy cuts the agents' connections: not their leaving
         # A connection accepted as the listener closes may never get its handler started; Python
         # then warns about the handler's coroutine when it is collected (see cut_by_the_stop).
         warnings.filterwarnings("ignore", message=r"coroutine '.*handle_stream' was never awaited", category=RuntimeWarning)
         master.shutdown()
+
+    async def drain_then_stop() -> None:
+        try:
+            # New connections go to a sibling worker or another broker; those open are still read.
+            await master.addons.get("proxyserver").servers.update([])
+            left = await broker.drained(settings.proxy.drain)
+            if left:
+                log.warning("%d request(s) still in flight after the drain (%g s); cutting them: each ends with what is "
+                            "known", left, settings.proxy.drain)
+        except Exception:  # the stop goes on whatever went wrong here
+            log.exception("the drain failed; stopping at once")
+        stop()
 
     loop = asyncio.get_running_loop()
     earlier_handler = loop.get_exception_handler()

@@ -310,7 +310,7 @@ class _Exchange:
     async def dispatch(self, attempt: int, connection: str) -> None:
         """The boundary: nothing is written upstream until this returns."""
         await failpoint("during_tls")
-        if self.broker.stopping:
+        if self.broker.stopping or self.broker.draining:
             # The stop cuts exchanges soon: one dispatched now would end unknown with nothing sent.
             raise SetupFailed("request", Code.CONNECT_FAILED, "the broker is stopping; nothing was sent")
         if self.caller_left:
@@ -435,7 +435,7 @@ class _Exchange:
                 diagnostic=exc.diagnostic,
             )
             # Cut by this broker's own stop: nothing about the upstream's reachability is known.
-            own = _STOPPING if self.broker.stopping else _OUT_OF_FILES if exc.out_of_files else None
+            own = _STOPPING if self.broker.stopping or self.broker.draining else _OUT_OF_FILES if exc.out_of_files else None
             return _Settled(setup=exc, attempt=self.attempt, message=own)
         except ExchangeFailed as exc:
             if not exc.request_complete:
@@ -564,6 +564,9 @@ class Broker:
         self._outage_lines = LogThrottle(window=10.0)
         #: The broker is stopping (a signal): connections it cuts are not their callers leaving.
         self.stopping = False
+        #: A stop has begun with ``[proxy] drain``: nothing new is dispatched, and the exchanges
+        #: in flight may end as they would (see :meth:`drained`); ``stopping`` follows.
+        self.draining = False
         #: Whether an owner named as this broker's earlier incarnation is dead (recovery's view:
         #: not once it has seen that owner's heartbeat move, a live twin).
         self.earlier_incarnation_dead: Callable[[str], bool] = lambda owner: True
@@ -590,6 +593,16 @@ class Broker:
             log.warning("%d request(s) were still being handled after %g s and are left as they are: their records "
                         "stay in flight until recovery closes them (at the next start, or by another broker)",
                         len(self._handling), CLOSE_WAIT)
+
+    async def drained(self, timeout: float) -> int:
+        """Wait (up to ``timeout`` s) until no request is being handled; how many still are.
+        Called with :attr:`draining` set: what is not yet dispatched is refused at its boundary
+        and what is held is answered, so only exchanges already sent are waited for."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._handling and (left := deadline - loop.time()) > 0:
+            await asyncio.wait(set(self._handling), timeout=left)
+        return len(self._handling)
 
     # -- the request path -------------------------------------------------------------------
 
@@ -1244,7 +1257,7 @@ class Broker:
                     "touched no secret. An earlier attempt of this invocation was sent, so its effect is unknown: do "
                     "not send it again as a new operation; have it reconciled (GET /v1/invocations/{id}).",
                 )
-            if self.stopping:
+            if self.stopping or self.draining:
                 # The request stays held, for the agent's repeat to a broker that runs (held
                 # approvals survive restarts), not ended as the caller's leaving; a caller still
                 # connected is told so at once, rather than cut without an answer at the end of

@@ -207,6 +207,9 @@ class ProxySection(_Section):
     workers: Number = Field(default=1, ge=1, le=64)
     #: The event loop the broker runs on: uvloop's (libuv), or asyncio's own.
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
+    #: On a stop, how long the exchanges already sent may take to end as they would, before the
+    #: rest are cut (nothing new is sent meanwhile); see docs/operations.md.
+    drain: Duration = 10.0
 
 
 class ApiSection(_Section):

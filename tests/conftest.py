@@ -175,7 +175,8 @@ def standard_routes(up: HostileUpstream) -> list[dict[str, Any]]:
 def make_config(workdir: Path, db_url: str, pki: TestPKI, routes: list[dict[str, Any]], **sections: Any) -> dict[str, Any]:
     proxy_port, api_port = free_ports(2)
     config: dict[str, Any] = {
-        "proxy": {"listen": f"127.0.0.1:{proxy_port}", "confdir": str(workdir / "conf")},
+        # A stop cuts what is in flight at once, as most stop tests want; the drain has its own tests.
+        "proxy": {"listen": f"127.0.0.1:{proxy_port}", "confdir": str(workdir / "conf"), "drain": "10ms"},
         "api": {"listen": f"127.0.0.1:{api_port}", "operator_token": "env:AFFIDAVIT_TEST_OPERATOR"},
         "database": {"url": db_url},
         "upstream": {"ca_bundle": pki.ca_cert, "connect_timeout": "3s", "response_timeout": "10s", "result_horizon": "30s"},

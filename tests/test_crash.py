@@ -11,6 +11,7 @@ import re
 import secrets
 import sqlite3
 import signal
+import socket
 import threading
 import time
 from typing import Any, Iterator
@@ -231,6 +232,62 @@ def test_a_clean_stop_writes_what_it_knows_of_the_requests_it_cuts(make_broker, 
     assert kinds[-1] == "FAILED" and "DISPATCH_STARTED" in kinds, kinds
     assert "BROKER_RESTARTED" not in kinds and "CALLER_CANCELLED" not in kinds, kinds
     assert "affidavit: stopped" in broker.logs() and "still being handled" not in broker.logs()
+
+
+def test_a_stop_lets_the_exchanges_already_sent_end_and_sends_nothing_new(make_broker, upstream):
+    """[proxy] drain: a stop no longer cuts an exchange about to end (a rolling restart made every
+    unkeyed POST in flight a reconciliation, found by a probe). The one already sent ends as it
+    would and its answer is delivered; the port stops listening; a request on a connection that
+    was open already is not sent (not_attempted, retry is safe); then the broker stops."""
+    broker = make_broker("postgresql", routes=crash_routes(upstream), proxy={"drain": "8s"})
+    answers: dict[str, Any] = {}
+    with broker.client() as idle, broker.client() as busy:
+        assert idle.post(CRASH + "/h/ok", content=b"{}").status_code == 200  # its connection stays open
+        slow = threading.Thread(target=lambda: answers.update(slow=busy.post(CRASH + "/h/slow?delay=2", content=b"{}")))
+        slow.start()
+        upstream.wait_for_requests(2, timeout=10)
+        assert broker.proc is not None
+        stopped_at = time.monotonic()
+        broker.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while "received SIGTERM" not in broker.logs() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        with pytest.raises(OSError):  # nothing listens any more: new connections go elsewhere
+            socket.create_connection(("127.0.0.1", broker.proxy_port), timeout=2).close()
+        late = idle.post(CRASH + "/h/ok", content=b"{}")
+        slow.join(20)
+        code = broker.proc.wait(20)
+    took = time.monotonic() - stopped_at
+    assert code == 0, broker.logs()[-3000:]
+    answer = answers["slow"]
+    assert answer.status_code == 200 and "affidavit-code" not in answer.headers, (answer.status_code, answer.text[:300])
+    error = check_envelope(late.content)["error"]
+    assert (error["outcome"], error["retry"]) == ("not_attempted", "backoff") and error["message"].startswith(
+        "The broker is stopping"), error
+    assert upstream.effects == 2, "the slow one was sent; the late one was not"
+    assert 1.3 < took < 8, took
+    rows = query(broker.database_url, "SELECT stage, outcome FROM invocations WHERE invocation_id = "
+                                      f"'{answer.headers['affidavit-invocation-id']}'")
+    assert rows == [("delivered", "committed")], rows
+    assert "still in flight after the drain" not in broker.logs()
+
+
+def test_a_drain_that_runs_out_cuts_what_is_left(make_broker, upstream):
+    broker = make_broker("postgresql", routes=crash_routes(upstream), proxy={"drain": "1s"})
+    answers: dict[str, Any] = {}
+    slow = threading.Thread(target=lambda: answers.update(r=post(broker, SAFE + "/h/hang", f"cut-{time.monotonic_ns()}")))
+    slow.start()
+    upstream.wait_for_requests(1, timeout=10)
+    began = time.monotonic()
+    assert broker.stop() == 0
+    took = time.monotonic() - began
+    slow.join(20)
+    error = check_envelope(answers["r"].content)["error"]
+    assert (error["code"], error["outcome"]) == ("REMOTE_OUTCOME_UNKNOWN", "unknown"), error
+    assert error["message"].startswith("The broker is stopping (a restart or a scale-down) and cut this exchange"), error
+    assert 0.9 < took < 8, took
+    assert "1 request(s) still in flight after the drain (1 s); cutting them" in broker.logs()
 
 
 def test_a_request_not_yet_dispatched_at_a_clean_stop_is_never_sent(make_broker, upstream):
