@@ -670,7 +670,8 @@ def test_an_environment_variable_for_a_section_that_does_not_exist_is_refused(tm
     assert "AFFIDAVIT_API_URL" not in done.stderr, "an agent shell's own variable is not a setting"
     # A variable a secret source names is a value, whatever it looks like.
     config = tmp_path / "affidavit.toml"
-    config.write_text('[[secrets]]\nname = "pay"\nfrom = "env:AFFIDAVIT_SECRET__PAY"\n')
+    config.write_text('[[agents]]\nname = "a"\ntoken = "env:A_TOKEN"\n\n'
+                      '[[secrets]]\nname = "pay"\nfrom = "env:AFFIDAVIT_SECRET__PAY"\n')
     env = {**{k: v for k, v in env.items() if k != "AFFIDAVIT_PROXYY__LISTEN"}, "AFFIDAVIT_SECRET__PAY": "x"}
     done = subprocess.run([AFFIDAVIT, "env", "--config", str(config)], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
