@@ -369,7 +369,13 @@ async def serve(
     # that leaves the requests in flight to another broker's recovery.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         try:
-            loop.add_signal_handler(sig, stop, sig)
+            if worker is not None and sig is not signal.SIGTERM:
+                # A worker stops on its supervisor's SIGTERM. A Ctrl-C or a closed terminal reaches
+                # the whole process group: taken here too, the forwarded SIGTERM would count as a
+                # second signal and stop the worker without its drain.
+                loop.add_signal_handler(sig, lambda: None)
+            else:
+                loop.add_signal_handler(sig, stop, sig)
         except NotImplementedError:  # pragma: no cover - non-Unix
             pass
 

@@ -47,9 +47,10 @@ log = logging.getLogger("affidavit.workers")
 READY_PREFIX = "affidavit: worker "
 #: Serving workers that died this often within ``CRASH_WINDOW`` seconds stop the broker.
 CRASH_LIMIT, CRASH_WINDOW = 5, 60.0
-#: Clean stops of single workers (exit status 0) within ``CRASH_WINDOW`` that are restarted
-#: without counting as deaths; one more counts (a worker that keeps ending by itself).
-CLEAN_STOP_LIMIT = 20
+#: Clean stops of single workers (exit status 0) within ``CRASH_WINDOW``, per worker of the pool,
+#: that are restarted without counting as deaths; one more counts (a worker that keeps ending
+#: by itself).
+CLEAN_STOP_LIMIT = 10
 #: After a restart that failed before the worker was ready, the next waits this long, doubling
 #: per failure in a row up to the second figure.
 RESTART_BACKOFF = (1.0, 30.0)
@@ -248,7 +249,9 @@ def _watch(pool: list[Worker], stopping: threading.Event, metrics_dir: str) -> i
                     extra={"worker": worker.index, "pid": pid, "exit": how, "retry_in_s": delay},
                 )
                 continue
-            if code == 0 and _recent(clean, now) < CLEAN_STOP_LIMIT:
+            if stopping.is_set():
+                break  # the stop has begun: a worker that just ended is not started again
+            if code == 0 and _recent(clean, now) < CLEAN_STOP_LIMIT * len(pool):
                 # A clean stop of this worker alone (a signal sent to it, which it logged): asked
                 # for, so no death towards CRASH_LIMIT; only endlessly many of them stop the broker.
                 clean.append(now)

@@ -130,8 +130,8 @@ def test_a_worker_that_keeps_dying_stops_the_broker(pg_url, make_broker, upstrea
 
 
 def test_workers_stopped_one_by_one_with_a_signal_are_restarted_and_stop_nothing(pg_url, make_broker, upstream):
-    """SIGTERM (or SIGHUP) to single workers, more often than five times a minute (an operator
-    recycling them): each says which signal it got, each is restarted, and the broker serves on.
+    """SIGTERM to single workers, more often than five times a minute (an operator recycling
+    them): each says which signal it got, each is restarted, and the broker serves on.
     Counted as deaths, five of them had stopped the broker ("workers died 5 times ... See the log
     above for why", with nothing above saying why)."""
     broker = make_broker(db_url=pg_url, proxy={"workers": 2})
@@ -139,7 +139,7 @@ def test_workers_stopped_one_by_one_with_a_signal_are_restarted_and_stop_nothing
     for n in range(6):
         ready = len(re.findall(r"affidavit: worker \d ready \(pid (\d+)\)", broker.logs()))
         pid = int(re.findall(r"affidavit: worker \d ready \(pid (\d+)\)", broker.logs())[-1])
-        os.kill(pid, signal.SIGHUP if n % 2 else signal.SIGTERM)
+        os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 30
         while len(re.findall(r"affidavit: worker \d ready", broker.logs())) == ready and time.monotonic() < deadline:
             assert broker.proc.poll() is None, broker.logs()[-3000:]
@@ -150,10 +150,30 @@ def test_workers_stopped_one_by_one_with_a_signal_are_restarted_and_stop_nothing
     assert broker.proc.poll() is None
     entries = broker.log_entries()
     received = [e["msg"].split(";")[0] for e in entries if e["msg"].startswith("received SIG")]
-    assert received == ["received SIGTERM: stopping", "received SIGHUP: stopping"] * 3, received
+    assert received == ["received SIGTERM: stopping"] * 6, received
     clean = [e for e in entries if "stopped cleanly" in e["msg"]]
     assert len(clean) == 6 and all(e["level"] == "warning" for e in clean), clean
     assert not [e for e in entries if "stopping the broker" in e["msg"] or "workers died" in e["msg"]]
+
+
+def test_a_ctrl_c_to_the_process_group_drains_the_workers(pg_url, make_broker, upstream):
+    """Ctrl-C in a terminal signals the whole process group: the workers got SIGINT themselves and
+    then the supervisor's SIGTERM, which they took for a second signal, so they stopped without
+    their drain. A worker leaves SIGINT and SIGHUP to its supervisor: the exchange in flight ends
+    and is delivered."""
+    import concurrent.futures
+
+    broker = make_broker(db_url=pg_url, proxy={"workers": 2, "drain": "8s"})
+    assert broker.proc is not None
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, broker.client(timeout=30) as client:
+        pending = pool.submit(client.post, PAY + "/h/slow?delay=2", content=b"{}")
+        upstream.wait_for_requests(1, timeout=10)
+        os.killpg(broker.proc.pid, signal.SIGINT)
+        answer = pending.result(timeout=30)
+        assert broker.proc.wait(30) == 0, broker.logs()[-3000:]
+    assert answer.status_code == 200 and "affidavit-code" not in answer.headers, (answer.status_code, answer.text[:300])
+    assert "received SIGTERM again" not in broker.logs(), broker.logs()[-3000:]
+    assert upstream.effects == 1
 
 
 def test_a_worker_that_cannot_restart_through_an_outage_stops_nothing_and_serves_again(pg_url, make_broker, upstream):
