@@ -1001,6 +1001,8 @@ class BrokerAddon:
                     reply.undelivered(req.left_as if req.caller_gone.is_set() else _how_left(flow))
                 return
             flow.response = _reply_to_response(reply)
+            if (self.broker.draining or self.broker.stopping) and r.http_version.startswith("HTTP/1"):
+                flow.response.headers["Connection"] = "close"  # the agent's next request goes to a broker that runs
             self._unsent[flow.id] = reply
         except Exception:
             log.exception("the broker failed on a request; answering with an envelope")

@@ -309,10 +309,8 @@ async def serve(
             date_header=False,
         )
     )
-    # The broker's stop stops the side API too (below): uvicorn must not take the signals itself.
-    # Older releases install handlers; newer ones capture the signals while serving, stop the API
-    # at once (before the proxy's drain) and raise each again when done.
-    api.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    # The broker's stop stops the side API too (below): uvicorn must not take the signals itself
+    # (it would stop the API at once, before the proxy's drain, and raise each signal again).
     api.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
 
     draining: list[asyncio.Task[None]] = []
@@ -329,6 +327,7 @@ async def serve(
         if sig is not None and not broker.stopping:
             log.warning("received %s again: stopping now; what is still in flight is cut and ends with what is known",
                         sig.name)
+            api.force_exit = True  # nor does the side API wait for its open requests
         broker.stopping = True  # before mitmproxy cuts the agents' connections: not their leaving
         # A connection accepted as the listener closes may never get its handler started; Python
         # then warns about the handler's coroutine when it is collected (see cut_by_the_stop).
@@ -411,6 +410,8 @@ async def serve(
             ready_wait.cancel()
             for task in done:
                 task.result()
+            if broker.stopping or broker.draining:
+                return  # a signal during start-up: a clean stop
             raise StartupError("the proxy stopped during start-up; see the log above")
         for server in master.addons.get("proxyserver").servers:
             if server.last_exception is not None:
@@ -423,6 +424,10 @@ async def serve(
             raise StartupError(f"the side API stopped during start-up on {settings.api.listen}; see the log above")
         if worker is not None:
             await failpoint("worker_start")
+        if broker.stopping:  # a signal during start-up: mitmproxy's start cleared the shutdown asked for
+            master.shutdown()
+        elif broker.draining:  # and the drain may have closed no listener yet
+            await master.addons.get("proxyserver").servers.update([])
         # The proxy port is ours now, so earlier incarnations of this instance are dead: their
         # in-flight records can be closed at once.
         await recovery.start()
@@ -434,6 +439,8 @@ async def serve(
     finally:
         if orphan_watch is not None:
             orphan_watch.cancel()
+        for task in draining:  # the stop is under way (a second signal, or the proxy ended): no drain to finish
+            task.cancel()
         stop()
         api.should_exit = True
         await asyncio.gather(master_task, api_task, return_exceptions=True)

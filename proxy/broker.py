@@ -594,15 +594,29 @@ class Broker:
                         "stay in flight until recovery closes them (at the next start, or by another broker)",
                         len(self._handling), CLOSE_WAIT)
 
+    def _stopping_refusal(self) -> Reply:
+        """A request that arrives once a stop has begun (on a connection still open: the proxy no
+        longer listens) is refused before anything is read, recorded or sent; the adapter closes
+        its connection, so a retry goes to a broker that runs."""
+        log.info("refused a request that arrived after the stop began: 503 %s, nothing recorded or sent",
+                 Code.BROKER_RESTARTED.value)
+        body = envelope(None, Code.BROKER_RESTARTED, Phase.VALIDATION, Outcome.NOT_ATTEMPTED, Retry.BACKOFF, _STOPPING,
+                        {"dispatch_started": False})
+        headers = [("Content-Type", MEDIA_TYPE), ("Retry-After", "1"), (CODE_HEADER, Code.BROKER_RESTARTED.value),
+                   (OUTCOME_HEADER, Outcome.NOT_ATTEMPTED.value), *should_retry(Retry.BACKOFF)]
+        return Reply(status_for(Code.BROKER_RESTARTED), headers, encode(body), None)
+
     async def drained(self, timeout: float) -> int:
         """Wait (up to ``timeout`` s) until no request is being handled; how many still are.
         Called with :attr:`draining` set: what is not yet dispatched is refused at its boundary
         and what is held is answered, so only exchanges already sent are waited for."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self._handling and (left := deadline - loop.time()) > 0:
-            await asyncio.wait(set(self._handling), timeout=left)
-        return len(self._handling)
+        # Also the exchanges whose caller left or timed out, which go on in the background until
+        # their result_horizon (and the records written behind): the stop would cut them next.
+        while (waiting := self._handling | self._background) and (left := deadline - loop.time()) > 0:
+            await asyncio.wait(waiting, timeout=left)
+        return len(self._handling | self._background)
 
     # -- the request path -------------------------------------------------------------------
 
@@ -618,6 +632,8 @@ class Broker:
             self._handling.discard(task)  # type: ignore[arg-type]
 
     async def _handle(self, req: AgentRequest) -> Reply:
+        if self.draining or self.stopping:
+            return self._stopping_refusal()
         if self.journal.damage is not None:
             # Refused before anything touches the journal (a key's lookup, a lease, a replay's read):
             # its storage is damaged, and nothing is recorded in it until a restart.
@@ -1829,10 +1845,11 @@ class Broker:
         # stays unknown (as with _lease_lost: only earlier dispatches count, never the refused one).
         earlier = entry.record.dispatch_count - (1 if refused_dispatch else 0) if entry is not None else 0
         outcome = Outcome.UNKNOWN if earlier > 0 and invocation_id is not None else Outcome.NOT_ATTEMPTED
-        # During a stop the journal refuses what comes after its last batch: no database trouble.
+        # A stop closes the journal last, and it then refuses what comes after: no database trouble.
+        closed = self.journal.closing
         cannot, check = (("The broker is stopping (a restart or a scale-down) and its journal takes no more writes", "")
-                         if self.stopping else ("The broker cannot write its journal", "; operators: check the database"))
-        if self.stopping and message is None:
+                         if closed else ("The broker cannot write its journal", "; operators: check the database"))
+        if closed and message is None:
             log.info("a request reached its journal write after the stop had closed the journal: 503 %s, nothing sent",
                      Code.JOURNAL_UNAVAILABLE.value)
         if message is None and outcome is Outcome.UNKNOWN:

@@ -55,7 +55,9 @@ CLEAN_STOP_LIMIT = 10
 #: per failure in a row up to the second figure.
 RESTART_BACKOFF = (1.0, 30.0)
 START_TIMEOUT = 120.0
-STOP_GRACE = 30.0
+#: How long the workers have to stop after the supervisor's SIGTERM beyond their [proxy] drain
+#: (then the journal's last writes, bounded at about 10 s) before they are killed.
+STOP_GRACE = 20.0
 
 
 class Worker:
@@ -189,7 +191,7 @@ def supervise(settings: Settings, config: Path | None, workers: int, announce=pr
         sys.stdout.flush()
         return _watch(pool, stopping, metrics_dir)
     finally:
-        _stop_all(pool)
+        _stop_all(pool, settings.proxy.drain + STOP_GRACE)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -293,10 +295,10 @@ def _exit_of(code: int) -> str:
     return f"was killed by signal {-code} ({name})"
 
 
-def _stop_all(pool: list[Worker]) -> None:
+def _stop_all(pool: list[Worker], grace: float) -> None:
     for worker in pool:
         worker.signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE
+    deadline = time.monotonic() + grace
     for worker in pool:
         if worker.process is None:
             continue

@@ -255,6 +255,7 @@ def test_a_stop_lets_the_exchanges_already_sent_end_and_sends_nothing_new(make_b
         time.sleep(0.3)
         with pytest.raises(OSError):  # nothing listens any more: new connections go elsewhere
             socket.create_connection(("127.0.0.1", broker.proxy_port), timeout=2).close()
+        ready = httpx.get(broker.api_url + "/readyz", timeout=10)
         late = idle.post(CRASH + "/h/ok", content=b"{}")
         slow.join(20)
         code = broker.proc.wait(20)
@@ -262,14 +263,34 @@ def test_a_stop_lets_the_exchanges_already_sent_end_and_sends_nothing_new(make_b
     assert code == 0, broker.logs()[-3000:]
     answer = answers["slow"]
     assert answer.status_code == 200 and "affidavit-code" not in answer.headers, (answer.status_code, answer.text[:300])
-    error = check_envelope(late.content)["error"]
-    assert (error["outcome"], error["retry"]) == ("not_attempted", "backoff") and error["message"].startswith(
-        "The broker is stopping"), error
+    assert (ready.status_code, ready.json()) == (503, {"status": "unavailable", "broker": "stopping"})
+    assert answer.headers["connection"] == "close", "the agent's next request goes to a broker that runs"
+    late_body = check_envelope(late.content)
+    error = late_body["error"]
+    assert (late.status_code, error["code"], error["outcome"], error["retry"]) == (
+        503, "BROKER_RESTARTED", "not_attempted", "backoff"), late_body
+    assert error["message"].startswith("The broker is stopping") and late_body["invocation_id"] is None
+    assert late.headers["connection"] == "close" and late.headers["retry-after"] == "1"
     assert upstream.effects == 2, "the slow one was sent; the late one was not"
     assert 1.3 < took < 8, took
     rows = query(broker.database_url, "SELECT stage, outcome FROM invocations WHERE invocation_id = "
                                       f"'{answer.headers['affidavit-invocation-id']}'")
     assert rows == [("delivered", "committed")], rows
+    assert "still in flight after the drain" not in broker.logs()
+
+
+def test_a_stop_drains_an_exchange_whose_caller_already_timed_out(make_broker, upstream):
+    """The caller's wait ended (response_timeout) and the exchange goes on in the background:
+    the drain waits for it too, so its late result is stored for the caller to fetch."""
+    routes = [{**route, "response_timeout": "1s"} for route in crash_routes(upstream)]
+    broker = make_broker("postgresql", routes=routes, proxy={"drain": "8s"})
+    with broker.client() as client:
+        timed_out = client.post(CRASH + "/h/slow?delay=2.5", content=b"{}")
+    assert timed_out.status_code == 504, timed_out.text
+    invocation_id = timed_out.headers["affidavit-invocation-id"]
+    assert broker.stop(timeout=30) == 0
+    rows = query(broker.database_url, f"SELECT outcome, retry FROM invocations WHERE invocation_id = '{invocation_id}'")
+    assert rows == [("committed", "fetch_result")], rows
     assert "still in flight after the drain" not in broker.logs()
 
 

@@ -1184,8 +1184,9 @@ def test_a_write_the_stop_refuses_is_told_the_broker_is_stopping_not_to_check_th
         await journal.start()
         try:
             broker = _in_process_broker(db, monkeypatch, journal)
+            broker.stopping = True  # the stop has begun, but its journal still takes writes: a failure is the database's
             before = json.loads(broker._journal_unavailable().body)
-            broker.stopping = True
+            await journal.close()
             return before, json.loads(broker._journal_unavailable().body)
         finally:
             await journal.close()

@@ -383,6 +383,11 @@ class Journal:
         if statements is not None:
             statements.close()
 
+    @property
+    def closing(self) -> bool:
+        """The broker's stop closes the journal: writes are refused from now on."""
+        return self._closing
+
     def submit(self, write: Write) -> asyncio.Future[None]:
         """Queue rows for the next transaction; the future resolves once they are durable."""
         return self._enqueue(write, refuse="the journal is closing" if self._closing else None)
