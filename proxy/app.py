@@ -12,6 +12,7 @@ import signal
 import socket
 import ssl
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -314,15 +315,23 @@ async def serve(
     api.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
 
     draining: list[asyncio.Task[None]] = []
+    signalled_at: list[float] = []
 
     def stop(sig: signal.Signals | None = None) -> None:
         """A signal drains first (``[proxy] drain``), then stops; a second signal, or a stop
-        with no signal (the supervisor gone, the proxy ended), stops at once."""
+        with no signal (the supervisor gone, the proxy ended), stops at once. A worker takes
+        only its supervisor's one SIGTERM, so a second one is no operator's: it is ignored, as is
+        one that comes within 0.25 s of the first (a signal delivered twice, seen with SIGINT and
+        SIGTERM arriving together)."""
+        now = time.monotonic()
         if sig is not None and not broker.stopping and not broker.draining:  # which signal: a stop nobody expected can be traced
             log.warning("received %s: stopping; nothing new is sent, and the exchanges already sent have up to %g s "
                         "([proxy] drain) to end before the rest are cut", sig.name, settings.proxy.drain)
             broker.draining = True
+            signalled_at.append(now)
             draining.append(asyncio.get_running_loop().create_task(drain_then_stop(), name="drain"))
+            return
+        if sig is not None and broker.draining and (worker is not None or now - signalled_at[0] < 0.25):
             return
         if sig is not None and not broker.stopping:
             log.warning("received %s again: stopping now; what is still in flight is cut and ends with what is known",

@@ -294,6 +294,23 @@ def test_a_stop_drains_an_exchange_whose_caller_already_timed_out(make_broker, u
     assert "still in flight after the drain" not in broker.logs()
 
 
+def test_a_second_signal_during_the_drain_stops_at_once(make_broker, upstream):
+    broker = make_broker("postgresql", routes=crash_routes(upstream), proxy={"drain": "20s"})
+    answers: dict[str, Any] = {}
+    slow = threading.Thread(target=lambda: answers.update(r=post(broker, SAFE + "/h/hang", f"twice-{time.monotonic_ns()}")))
+    slow.start()
+    upstream.wait_for_requests(1, timeout=10)
+    assert broker.proc is not None
+    broker.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.6)
+    began = time.monotonic()
+    assert broker.stop() == 0
+    assert time.monotonic() - began < 8, "the second signal did not wait for the 20 s drain"
+    slow.join(20)
+    assert check_envelope(answers["r"].content)["error"]["code"] == "REMOTE_OUTCOME_UNKNOWN"
+    assert "received SIGTERM again: stopping now" in broker.logs()
+
+
 def test_a_drain_that_runs_out_cuts_what_is_left(make_broker, upstream):
     broker = make_broker("postgresql", routes=crash_routes(upstream), proxy={"drain": "1s"})
     answers: dict[str, Any] = {}
