@@ -294,12 +294,19 @@ def test_a_stop_drains_an_exchange_whose_caller_already_timed_out(make_broker, u
     assert "still in flight after the drain" not in broker.logs()
 
 
-def test_a_second_signal_during_the_drain_stops_at_once(make_broker, upstream):
-    broker = make_broker("postgresql", routes=crash_routes(upstream), proxy={"drain": "20s"})
+def _hanging_with_drain(make_broker, upstream, drain: str) -> tuple[BrokerProcess, dict[str, Any], threading.Thread]:
+    """A broker with ``[proxy] drain``, and a keyed request it has sent to an upstream that never
+    answers (its answer lands in the dict once the thread ends)."""
+    broker = make_broker("postgresql", routes=crash_routes(upstream), proxy={"drain": drain})
     answers: dict[str, Any] = {}
-    slow = threading.Thread(target=lambda: answers.update(r=post(broker, SAFE + "/h/hang", f"twice-{time.monotonic_ns()}")))
+    slow = threading.Thread(target=lambda: answers.update(r=post(broker, SAFE + "/h/hang", f"hang-{time.monotonic_ns()}")))
     slow.start()
     upstream.wait_for_requests(1, timeout=10)
+    return broker, answers, slow
+
+
+def test_a_second_signal_during_the_drain_stops_at_once(make_broker, upstream):
+    broker, answers, slow = _hanging_with_drain(make_broker, upstream, "20s")
     assert broker.proc is not None
     broker.proc.send_signal(signal.SIGTERM)
     time.sleep(0.6)
@@ -312,11 +319,7 @@ def test_a_second_signal_during_the_drain_stops_at_once(make_broker, upstream):
 
 
 def test_a_drain_that_runs_out_cuts_what_is_left(make_broker, upstream):
-    broker = make_broker("postgresql", routes=crash_routes(upstream), proxy={"drain": "1s"})
-    answers: dict[str, Any] = {}
-    slow = threading.Thread(target=lambda: answers.update(r=post(broker, SAFE + "/h/hang", f"cut-{time.monotonic_ns()}")))
-    slow.start()
-    upstream.wait_for_requests(1, timeout=10)
+    broker, answers, slow = _hanging_with_drain(make_broker, upstream, "1s")
     began = time.monotonic()
     assert broker.stop() == 0
     took = time.monotonic() - began

@@ -1106,14 +1106,9 @@ def _dispatched(journal: _ScriptedJournal) -> InvocationLog:
     return entry
 
 
-def test_a_result_whose_resend_failed_goes_with_its_events_in_the_next_write():
-    asyncio.run(_test_a_result_whose_resend_failed_goes_with_its_events_in_the_next_write())
-
-
-async def _test_a_result_whose_resend_failed_goes_with_its_events_in_the_next_write():
-    """A lost progress write must be sent again before the result's; when that resend fails, the
-    result's own write is never made: the result stays with its RESULT_COMMITTED for the next
-    write of the buffered events (the delivery repair's), which carries it exactly once."""
+async def _result_after_a_lost_progress_write() -> tuple[_ScriptedJournal, InvocationLog, asyncio.Future[None]]:
+    """A dispatched invocation whose progress write was lost, and its result's commit under way
+    (it resends the lost write first: the journal's third write)."""
     journal = _ScriptedJournal()
     entry = _dispatched(journal)
     commit = asyncio.ensure_future(entry.commit())
@@ -1125,7 +1120,18 @@ async def _test_a_result_whose_resend_failed_goes_with_its_events_in_the_next_wr
     await asyncio.sleep(0)
     entry.append(EventKind.REMOTE_RESPONSE_COMPLETE, status=201, framing="content-length")
     entry.append(EventKind.RESULT_COMMITTED)
-    commit = asyncio.ensure_future(entry.commit(result=RESULT))
+    return journal, entry, asyncio.ensure_future(entry.commit(result=RESULT))
+
+
+def test_a_result_whose_resend_failed_goes_with_its_events_in_the_next_write():
+    asyncio.run(_test_a_result_whose_resend_failed_goes_with_its_events_in_the_next_write())
+
+
+async def _test_a_result_whose_resend_failed_goes_with_its_events_in_the_next_write():
+    """A lost progress write must be sent again before the result's; when that resend fails, the
+    result's own write is never made: the result stays with its RESULT_COMMITTED for the next
+    write of the buffered events (the delivery repair's), which carries it exactly once."""
+    journal, entry, commit = await _result_after_a_lost_progress_write()
     journal.settle(await journal.next_write(2), JournalUnavailable("still away"))  # its resend fails
     with pytest.raises(JournalUnavailable):
         await commit
@@ -1151,18 +1157,7 @@ async def _test_a_result_taken_by_a_write_nobody_waits_for_during_its_resend_is_
     """The caller leaves while the result's commit resends a lost write: the write of its leaving
     (nobody waits for it) takes the buffered events and the result with them; the commit then
     writes what is left, without the result."""
-    journal = _ScriptedJournal()
-    entry = _dispatched(journal)
-    commit = asyncio.ensure_future(entry.commit())
-    journal.settle(await journal.next_write(0))
-    await commit
-    entry.append(EventKind.REQUEST_SENT)
-    entry.submit_quietly()
-    journal.settle(journal.writes[1], JournalUnavailable("away"))
-    await asyncio.sleep(0)
-    entry.append(EventKind.REMOTE_RESPONSE_COMPLETE, status=201, framing="content-length")
-    entry.append(EventKind.RESULT_COMMITTED)
-    commit = asyncio.ensure_future(entry.commit(result=RESULT))
+    journal, entry, commit = await _result_after_a_lost_progress_write()
     resend = await journal.next_write(2)
     entry.append(EventKind.CALLER_CANCELLED, disposition="disconnected")
     entry.submit_quietly()
