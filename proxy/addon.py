@@ -24,9 +24,8 @@ from mitmproxy import http
 from mitmproxy.connection import Client, ConnectionState
 
 from . import metrics
-from .broker import AgentRequest, Broker, Reply, internal_error, should_retry, shown, unrecordable
-from .contract import CallerDisposition, Code, Outcome, Phase, Retry
-from .envelope import MEDIA_TYPE, encode, envelope
+from .broker import AgentRequest, Broker, Reply, internal_error, shown, unrecordable, unrecorded_refusal
+from .contract import CallerDisposition, Code, Retry
 from .failpoints import failpoint_now
 from .logs import LogThrottle
 from .upstream import HOP_BY_HOP, connection_options
@@ -113,10 +112,7 @@ def canonical_host(host: str) -> str:
 def _refusal(status: int, code: Code, message: str, extra_headers: list[tuple[str, str]] | None = None, *,
              retry: Retry = Retry.AFTER_CORRECTION, evidence: dict[str, Any] | None = None) -> http.Response:
     """An unrecorded refusal of the adapter's own (``invocation_id`` null): validation, not attempted."""
-    body = envelope(None, code, Phase.VALIDATION, Outcome.NOT_ATTEMPTED, retry, message, evidence)
-    headers = [("Content-Type", MEDIA_TYPE), ("Affidavit-Code", code.value), ("Affidavit-Outcome", Outcome.NOT_ATTEMPTED.value),
-               *should_retry(retry), *(extra_headers or [])]
-    return _reply_to_response(Reply(status, headers, encode(body)))
+    return _reply_to_response(unrecorded_refusal(status, code, message, extra_headers, retry=retry, evidence=evidence))
 
 
 def auth_required() -> http.Response:
@@ -1001,7 +997,7 @@ class BrokerAddon:
                     reply.undelivered(req.left_as if req.caller_gone.is_set() else _how_left(flow))
                 return
             flow.response = _reply_to_response(reply)
-            if (self.broker.draining or self.broker.stopping) and r.http_version.startswith("HTTP/1"):
+            if self.broker.stop_begun and r.http_version.startswith("HTTP/1"):
                 flow.response.headers["Connection"] = "close"  # the agent's next request goes to a broker that runs
             self._unsent[flow.id] = reply
         except Exception:

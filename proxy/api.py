@@ -525,7 +525,7 @@ def create_app(
     @app.get("/readyz", tags=["health"], summary="Readiness: the journal answers and can write",
              responses=answers(503, meaning={503: "Not ready: the journal is unreachable, unwritable or damaged"}))
     async def readyz() -> Response:
-        if broker is not None and (broker.draining or broker.stopping):
+        if broker is not None and broker.stop_begun:
             # The proxy no longer listens: a balancer that checks here sends new agents elsewhere.
             return JSONResponse({"status": "unavailable", "broker": "stopping"}, status_code=503)
         try:

@@ -419,7 +419,7 @@ async def serve(
             ready_wait.cancel()
             for task in done:
                 task.result()
-            if broker.stopping or broker.draining:
+            if broker.stop_begun:
                 return  # a signal during start-up: a clean stop
             raise StartupError("the proxy stopped during start-up; see the log above")
         for server in master.addons.get("proxyserver").servers:

@@ -310,7 +310,7 @@ class _Exchange:
     async def dispatch(self, attempt: int, connection: str) -> None:
         """The boundary: nothing is written upstream until this returns."""
         await failpoint("during_tls")
-        if self.broker.stopping or self.broker.draining:
+        if self.broker.stop_begun:
             # The stop cuts exchanges soon: one dispatched now would end unknown with nothing sent.
             raise SetupFailed("request", Code.CONNECT_FAILED, "the broker is stopping; nothing was sent")
         if self.caller_left:
@@ -435,7 +435,7 @@ class _Exchange:
                 diagnostic=exc.diagnostic,
             )
             # Cut by this broker's own stop: nothing about the upstream's reachability is known.
-            own = _STOPPING if self.broker.stopping or self.broker.draining else _OUT_OF_FILES if exc.out_of_files else None
+            own = _STOPPING if self.broker.stop_begun else _OUT_OF_FILES if exc.out_of_files else None
             return _Settled(setup=exc, attempt=self.attempt, message=own)
         except ExchangeFailed as exc:
             if not exc.request_complete:
@@ -594,17 +594,19 @@ class Broker:
                         "stay in flight until recovery closes them (at the next start, or by another broker)",
                         len(self._handling), CLOSE_WAIT)
 
+    @property
+    def stop_begun(self) -> bool:
+        """A stop has begun (draining, or past it): nothing new is dispatched."""
+        return self.draining or self.stopping
+
     def _stopping_refusal(self) -> Reply:
         """A request that arrives once a stop has begun (on a connection still open: the proxy no
         longer listens) is refused before anything is read, recorded or sent; the adapter closes
         its connection, so a retry goes to a broker that runs."""
         log.info("refused a request that arrived after the stop began: 503 %s, nothing recorded or sent",
                  Code.BROKER_RESTARTED.value)
-        body = envelope(None, Code.BROKER_RESTARTED, Phase.VALIDATION, Outcome.NOT_ATTEMPTED, Retry.BACKOFF, _STOPPING,
-                        {"dispatch_started": False})
-        headers = [("Content-Type", MEDIA_TYPE), ("Retry-After", "1"), (CODE_HEADER, Code.BROKER_RESTARTED.value),
-                   (OUTCOME_HEADER, Outcome.NOT_ATTEMPTED.value), *should_retry(Retry.BACKOFF)]
-        return Reply(status_for(Code.BROKER_RESTARTED), headers, encode(body), None)
+        return unrecorded_refusal(status_for(Code.BROKER_RESTARTED), Code.BROKER_RESTARTED, _STOPPING, [("Retry-After", "1")],
+                                  retry=Retry.BACKOFF, evidence={"dispatch_started": False})
 
     async def drained(self, timeout: float) -> int:
         """Wait (up to ``timeout`` s) until no request is being handled; how many still are.
@@ -632,7 +634,7 @@ class Broker:
             self._handling.discard(task)  # type: ignore[arg-type]
 
     async def _handle(self, req: AgentRequest) -> Reply:
-        if self.draining or self.stopping:
+        if self.stop_begun:
             return self._stopping_refusal()
         if self.journal.damage is not None:
             # Refused before anything touches the journal (a key's lookup, a lease, a replay's read):
@@ -1273,7 +1275,7 @@ class Broker:
                     "touched no secret. An earlier attempt of this invocation was sent, so its effect is unknown: do "
                     "not send it again as a new operation; have it reconciled (GET /v1/invocations/{id}).",
                 )
-            if self.stopping or self.draining:
+            if self.stop_begun:
                 # The request stays held, for the agent's repeat to a broker that runs (held
                 # approvals survive restarts), not ended as the caller's leaving; a caller still
                 # connected is told so at once, rather than cut without an answer at the end of
@@ -2190,6 +2192,15 @@ def _method_field(req: AgentRequest) -> str | None:
             if name == METHOD_FIELD:
                 return value
     return None
+
+
+def unrecorded_refusal(status: int, code: Code, message: str, extra_headers: list[tuple[str, str]] | None = None, *,
+                       retry: Retry = Retry.AFTER_CORRECTION, evidence: dict[str, Any] | None = None) -> Reply:
+    """A refusal before anything is recorded (``invocation_id`` null): validation, not attempted."""
+    body = envelope(None, code, Phase.VALIDATION, Outcome.NOT_ATTEMPTED, retry, message, evidence)
+    headers = [("Content-Type", MEDIA_TYPE), (CODE_HEADER, code.value), (OUTCOME_HEADER, Outcome.NOT_ATTEMPTED.value),
+               *should_retry(retry), *(extra_headers or [])]
+    return Reply(status, headers, encode(body))
 
 
 def internal_error(message: str) -> Reply:
